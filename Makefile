@@ -1,0 +1,35 @@
+# Two entry points (see README): `make demo` and `make test`.
+# Both create .venv and install what they need on a fresh machine.
+
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+SYSDEPS := .sysdeps.installed
+DEMO_DIR ?= .demo-store
+DEMO_SIZE ?= 1GiB
+
+.PHONY: demo test venv sysdeps clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+# Debian packages the benchmarks and tests use: fio (storage limit).
+sysdeps:
+	@command -v fio >/dev/null 2>&1 || { \
+	  echo "installing fio (Debian package)"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fio) >/dev/null \
+	  || { echo "could not install fio: run 'apt-get install fio' as root"; exit 1; }; }
+
+demo: venv sysdeps
+	$(VENV)/bin/kvtier bench storage --dir $(DEMO_DIR) --size $(DEMO_SIZE) --json $(DEMO_DIR)/storage.json
+
+test: venv sysdeps
+	$(PY) -m pytest -q -ra
+
+clean:
+	rm -rf $(VENV) $(DEMO_DIR) .pytest_cache

@@ -1,0 +1,210 @@
+"""The self-describing chunk object: a 4 KiB header block, then the payload.
+
+Layout (all integers little endian; see docs/format.md):
+
+    offset  size  field
+    0       8     magic b"KVTCHUNK"
+    8       2     format version
+    10      2     header struct size (bytes used of the 4 KiB block)
+    12      4     flags (0)
+    16      32    key digest (names the object)
+    48      16    key check (independent chain; detects naming collisions)
+    64      32    namespace digest
+    96      16    dtype, ASCII, NUL padded
+    112     1     ndim (<= 8)
+    113     7     reserved, zero
+    120     64    shape, 8 x u64 (unused dims zero)
+    184     4     token count
+    188     8     payload length
+    196     16    payload checksum, XXH3-128
+    212     4     header checksum, CRC-32 of bytes [0, 212)
+    ...           zero padding to 4096
+    4096    n     payload, then zero padding to a multiple of 4096
+
+The payload starts 4 KiB aligned and the object length is a multiple of 4 KiB,
+so a whole object can be read with one O_DIRECT read into an aligned buffer.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import zlib
+from dataclasses import dataclass
+
+import xxhash
+
+from kvtier.buffers import ALIGN, align_up, alloc, copy_into
+from kvtier.errors import CorruptObject
+from kvtier.keys import ChunkKey
+from kvtier.version import FORMAT_VERSION
+
+MAGIC = b"KVTCHUNK"
+HEADER_BLOCK = ALIGN
+MAX_NDIM = 8
+MAX_PAYLOAD = 1 << 32  # 4 GiB: far above any real chunk; refuses absurd headers
+
+_HEAD = struct.Struct("<8sHHI32s16s32s16sB7x8QIQ16s")
+_CRC = struct.Struct("<I")
+HEADER_STRUCT_SIZE = _HEAD.size + _CRC.size  # 216
+
+DTYPE_SIZES = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+
+
+@dataclass(frozen=True)
+class Header:
+    key: bytes
+    check: bytes
+    ns: bytes
+    dtype: str
+    shape: tuple[int, ...]
+    num_tokens: int
+    payload_len: int
+    checksum: bytes
+
+    @property
+    def object_len(self) -> int:
+        return HEADER_BLOCK + align_up(self.payload_len)
+
+    def matches(self, key: ChunkKey) -> bool:
+        return (
+            self.key == key.digest
+            and self.check == key.check
+            and self.ns == key.ns
+            and self.num_tokens == key.num_tokens
+        )
+
+
+class ChunkObject:
+    """An encoded chunk held in an owned, immutable-by-convention buffer.
+
+    ``buf`` covers the whole object (header block + padded payload). Nobody
+    writes to it after ``encode``/``decode`` returns, so it may be shared by
+    the memory tier and any number of readers.
+    """
+
+    __slots__ = ("header", "buf")
+
+    def __init__(self, header: Header, buf: memoryview):
+        self.header = header
+        self.buf = buf
+
+    @property
+    def payload(self) -> memoryview:
+        return self.buf[HEADER_BLOCK : HEADER_BLOCK + self.header.payload_len]
+
+    @property
+    def nbytes(self) -> int:
+        return self.buf.nbytes
+
+
+def payload_checksum(payload: memoryview | bytes) -> bytes:
+    return xxhash.xxh3_128_digest(payload)
+
+
+def encode(key: ChunkKey, dtype: str, shape: tuple[int, ...], payload: memoryview | bytes) -> ChunkObject:
+    """Copy ``payload`` into a new aligned object with its header."""
+    payload = memoryview(payload).cast("B")
+    _check_layout(dtype, shape, payload.nbytes)
+    header = Header(
+        key=key.digest,
+        check=key.check,
+        ns=key.ns,
+        dtype=dtype,
+        shape=tuple(shape),
+        num_tokens=key.num_tokens,
+        payload_len=payload.nbytes,
+        checksum=payload_checksum(payload),
+    )
+    buf = alloc(header.object_len)
+    buf[:HEADER_STRUCT_SIZE] = pack_header(header)
+    copy_into(buf[HEADER_BLOCK : HEADER_BLOCK + payload.nbytes], payload)
+    return ChunkObject(header, buf)
+
+
+def pack_header(h: Header) -> bytes:
+    shape = list(h.shape) + [0] * (MAX_NDIM - len(h.shape))
+    head = _HEAD.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        HEADER_STRUCT_SIZE,
+        0,
+        h.key,
+        h.check,
+        h.ns,
+        h.dtype.encode("ascii"),
+        len(h.shape),
+        *shape,
+        h.num_tokens,
+        h.payload_len,
+        h.checksum,
+    )
+    return head + _CRC.pack(zlib.crc32(head))
+
+
+def parse_header(block: memoryview | bytes) -> Header:
+    """Parse and validate a header block. Raises CorruptObject on any doubt."""
+    block = memoryview(block)
+    if block.nbytes < HEADER_STRUCT_SIZE:
+        raise CorruptObject(f"object shorter than a header ({block.nbytes} B)")
+    head = block[: _HEAD.size]
+    (crc,) = _CRC.unpack(block[_HEAD.size : HEADER_STRUCT_SIZE])
+    if zlib.crc32(head) != crc:
+        raise CorruptObject("header checksum mismatch")
+    (magic, version, hsize, flags, key, check, ns, dtype, ndim, *rest) = _HEAD.unpack(head)
+    shape8, (num_tokens, payload_len, checksum) = rest[:MAX_NDIM], rest[MAX_NDIM:]
+    if magic != MAGIC:
+        raise CorruptObject("bad magic")
+    if version != FORMAT_VERSION:
+        raise CorruptObject(f"format version {version}, this reader speaks {FORMAT_VERSION}")
+    if hsize != HEADER_STRUCT_SIZE or flags != 0:
+        raise CorruptObject("unknown header size or flags")
+    if not 0 < ndim <= MAX_NDIM or any(shape8[ndim:]):
+        raise CorruptObject(f"bad ndim {ndim}")
+    try:
+        dtype_s = dtype.rstrip(b"\0").decode("ascii")
+    except UnicodeDecodeError as exc:
+        raise CorruptObject("dtype is not ASCII") from exc
+    shape = tuple(shape8[:ndim])
+    try:
+        _check_layout(dtype_s, shape, payload_len)
+    except ValueError as exc:
+        raise CorruptObject(str(exc)) from exc
+    return Header(key, check, ns, dtype_s, shape, num_tokens, payload_len, checksum)
+
+
+def _check_layout(dtype: str, shape: tuple[int, ...], payload_len: int) -> None:
+    if dtype not in DTYPE_SIZES:
+        raise ValueError(f"unsupported dtype {dtype!r}; known: {', '.join(DTYPE_SIZES)}")
+    if not 0 < len(shape) <= MAX_NDIM or any(d <= 0 for d in shape):
+        raise ValueError(f"bad shape {shape}")
+    if not 0 < payload_len <= MAX_PAYLOAD:
+        raise ValueError(f"payload length {payload_len} out of range")
+    if math.prod(shape) * DTYPE_SIZES[dtype] != payload_len:
+        raise ValueError(f"shape {shape} of {dtype} does not match payload length {payload_len}")
+
+
+def decode(buf: memoryview, key: ChunkKey, expect_len: int | None = None) -> ChunkObject:
+    """Verify a whole object read from storage against the key it was read for.
+
+    ``expect_len`` is the number of bytes actually read (a truncated file reads
+    short). Raises CorruptObject on any mismatch; never returns doubtful data.
+    """
+    header = parse_header(buf[:HEADER_STRUCT_SIZE])
+    have = buf.nbytes if expect_len is None else expect_len
+    if have < HEADER_BLOCK + header.payload_len:
+        raise CorruptObject(f"truncated: {have} B, need {HEADER_BLOCK + header.payload_len}")
+    if not header.matches(key):
+        raise CorruptObject("key, check, namespace or token count does not match the requested key")
+    obj = ChunkObject(header, buf)
+    if payload_checksum(obj.payload) != header.checksum:
+        raise CorruptObject("payload checksum mismatch")
+    return obj

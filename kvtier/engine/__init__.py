@@ -1,0 +1,1 @@
+"""Orchestration above the tiers: executors, circuit breakers, the TieredStore."""

@@ -1,0 +1,243 @@
+"""TieredStore: one cache over an ordered stack of tiers (fastest first).
+
+- ``lookup``: the longest contiguous prefix held anywhere, as segments (which
+  tier serves which run of chunks), each tier asked with one batched call.
+- ``fetch``/``load``: read the prefix back, lower tiers in parallel within
+  their read windows, promoting what they return into the memory tier.
+- ``save``: encode once, keep in memory, write through to every lower tier in
+  the background. The write-through backlog is bounded in bytes; what does not
+  fit is dropped and counted, never waited for.
+
+Ownership: the store owns its tiers, their executors, one prefetch pool and
+every write-through future (``_pending``); ``close()`` drains them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+from kvtier.buffers import copy_into
+from kvtier.codec import ChunkObject, encode
+from kvtier.config import StoreConfig
+from kvtier.engine.breaker import CircuitBreaker
+from kvtier.engine.executor import LOAD, PriorityExecutor
+from kvtier.errors import ConfigError
+from kvtier.keys import ChunkKey
+from kvtier.metrics import Metrics
+from kvtier.tiers import registry
+from kvtier.tiers.base import Tier, TierStats
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Segment:
+    tier: str
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class Lookup:
+    chunks: int
+    tokens: int
+    segments: tuple[Segment, ...]
+
+    def tokens_by_tier(self, keys: Sequence[ChunkKey]) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for s in self.segments:
+            out[s.tier] = out.get(s.tier, 0) + sum(k.num_tokens for k in keys[s.start : s.stop])
+        return out
+
+
+class TieredStore:
+    def __init__(self, config: StoreConfig, metrics: Metrics | None = None, chunk_bytes: int | None = None):
+        self.config = config
+        self.metrics = metrics or Metrics()
+        self.tiers: list[Tier] = []
+        try:
+            for i, spec in enumerate(config.tiers):
+                if chunk_bytes is not None and spec.config.capacity < chunk_bytes:
+                    raise ConfigError(
+                        f"tiers[{i}].capacity",
+                        f"{spec.config.capacity} B is smaller than one chunk ({chunk_bytes} B)",
+                        f"give tier {spec.config.name!r} room for many chunks (at least {chunk_bytes} B)",
+                    )
+                cls = registry.resolve(spec.kind, f"tiers[{i}].kind")
+                breaker = CircuitBreaker(config.breaker_threshold, config.breaker_cooldown_s)
+                self.tiers.append(cls(spec.config, self.metrics, breaker))
+        except BaseException:
+            for t in self.tiers:
+                t.close()
+            raise
+        self._by_name = {t.name: t for t in self.tiers}
+        self.memory: Tier | None = next((t for t in self.tiers if not t.persistent), None)
+        self._lock = threading.Lock()
+        self._pending: set[Future] = set()
+        self._pending_bytes = 0
+        self._prefetcher = PriorityExecutor("prefetch", 2)
+        self._closed = False
+
+    def tier(self, name: str) -> Tier:
+        return self._by_name[name]
+
+    # ------------------------------------------------------------ lookup
+    def lookup(self, keys: Sequence[ChunkKey]) -> Lookup:
+        """Longest contiguous prefix over all tiers.
+
+        Each step asks the tiers, fastest first, for the run starting at the
+        current position and takes the first non-empty answer.
+        """
+        pos, segments = 0, []
+        while pos < len(keys):
+            for tier in self.tiers:
+                n = tier.lookup(keys[pos:], self.config.lookup_timeout_s)
+                if n:
+                    segments.append(Segment(tier.name, pos, pos + n))
+                    pos += n
+                    break
+            else:
+                break
+        return Lookup(pos, sum(k.num_tokens for k in keys[:pos]), tuple(segments))
+
+    # ------------------------------------------------------------ load
+    def fetch(self, keys: Sequence[ChunkKey], plan: Lookup | None = None) -> Iterator[ChunkObject]:
+        """Yield the verified objects of the leading chunks, in order.
+
+        Reads of every segment start at once; iteration stops at the first
+        chunk that could not be served (evicted since lookup, corrupt, slow).
+        """
+        plan = plan if plan is not None else self.lookup(keys)
+        streams = [
+            (self._by_name[s.tier], s.stop - s.start, self._by_name[s.tier].fetch(keys[s.start : s.stop], self.config.load_timeout_s))
+            for s in plan.segments
+        ]
+        try:
+            for tier, want, it in streams:
+                got = 0
+                for obj in it:
+                    if self.config.promote and self.memory is not None and tier is not self.memory:
+                        self.memory.store([obj])
+                    got += 1
+                    yield obj
+                if got < want:
+                    return
+        finally:
+            for _, _, it in streams:
+                close = getattr(it, "close", None)
+                if close is not None:
+                    close()
+
+    def load(self, keys: Sequence[ChunkKey], bufs: Sequence[memoryview], plan: Lookup | None = None) -> int:
+        """Copy the leading payloads into caller-owned ``bufs`` (each exactly one
+        payload long). Returns how many leading chunks were loaded; the content
+        of the other buffers is undefined."""
+        n = 0
+        it = self.fetch(keys, plan)
+        try:
+            for obj, buf in zip(it, bufs):
+                view = memoryview(buf).cast("B")
+                if view.nbytes != obj.header.payload_len:
+                    break
+                copy_into(view, obj.payload)
+                n += 1
+        finally:
+            it.close()
+        return n
+
+    def prefetch(self, keys: Sequence[ChunkKey]) -> Future:
+        """Start reading the prefix into the memory tier in the background.
+        The future's result is the number of chunks now in memory."""
+        return self._prefetcher.submit(LOAD, self._prefetch_now, list(keys))
+
+    def _prefetch_now(self, keys: list[ChunkKey]) -> int:
+        n = 0
+        for _ in self.fetch(keys):
+            n += 1
+        return n
+
+    # ------------------------------------------------------------ save
+    def save(
+        self,
+        keys: Sequence[ChunkKey],
+        payloads: Sequence[memoryview],
+        dtype: str,
+        shapes: Sequence[tuple[int, ...]],
+    ) -> int:
+        """Encode (one copy; the caller's buffers are free on return), keep in
+        memory and write through. Returns the number of chunks accepted."""
+        objs = [encode(k, dtype, tuple(s), p) for k, p, s in zip(keys, payloads, shapes)]
+        return self.put(objs)
+
+    def put(self, objs: Sequence[ChunkObject]) -> int:
+        if not objs:
+            return 0
+        if self.memory is not None:
+            self.memory.store(objs)
+        for tier in self.tiers:
+            if tier.persistent:
+                self._write_through(tier, objs)
+        return len(objs)
+
+    def _write_through(self, tier: Tier, objs: Sequence[ChunkObject]) -> None:
+        with self._lock:
+            room = self.config.save_queue_bytes - self._pending_bytes
+            n, nbytes = 0, 0
+            for o in objs:
+                if nbytes + o.nbytes > room:
+                    break
+                nbytes += o.nbytes
+                n += 1
+            self._pending_bytes += nbytes
+        if n < len(objs):
+            tier.metrics.dropped("queue_full", len(objs) - n)
+        if not n:
+            return
+        fut = tier.store_async(list(objs[:n]))
+        with self._lock:
+            self._pending.add(fut)
+        fut.add_done_callback(lambda f, nbytes=nbytes, tier=tier: self._written(f, nbytes, tier))
+
+    def _written(self, fut: Future, nbytes: int, tier: Tier) -> None:
+        with self._lock:
+            self._pending.discard(fut)
+            self._pending_bytes -= nbytes
+        if not fut.cancelled() and fut.exception() is not None:
+            log.error("tier %s: write-through failed: %s", tier.name, fut.exception())
+            tier.metrics.error("store")
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for the write-through backlog; True if it drained in time."""
+        with self._lock:
+            pending = list(self._pending)
+        for f in pending:
+            try:
+                f.result(timeout)
+            except Exception:
+                return False
+        return True
+
+    # ------------------------------------------------------------ admin
+    def stats(self) -> list[TierStats]:
+        return [t.stats() for t in self.tiers]
+
+    def close(self, drain: bool = True, timeout: float | None = 60.0) -> None:
+        """Drain (or cancel) write-through, then close every tier."""
+        if self._closed:
+            return
+        self._closed = True
+        if drain and not self.flush(timeout):
+            log.warning("write-through did not drain within %ss; the rest is dropped", timeout)
+        self._prefetcher.close(cancel_pending=not drain)
+        for t in self.tiers:
+            t.close()
+
+    def __enter__(self) -> "TieredStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,103 @@
+"""Prometheus metrics, one label set per tier.
+
+A ``Metrics`` owns a registry (its own by default, so several stores in one
+process never collide; pass ``prometheus_client.REGISTRY`` to expose next to
+an engine's metrics). Tiers receive a ``TierMetrics`` with the label bound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None, prefix: str = "kvtier"):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r, p = self.registry, prefix
+        self.hits = Counter(f"{p}_hit_chunks", "Chunks found and served by a tier", ["tier"], registry=r)
+        self.misses = Counter(f"{p}_miss_chunks", "Chunks asked of a tier and not served", ["tier"], registry=r)
+        self.hit_tokens = Counter(f"{p}_hit_tokens", "Tokens whose KV a tier served", ["tier"], registry=r)
+        self.read_bytes = Counter(f"{p}_read_bytes", "Object bytes read from a tier", ["tier"], registry=r)
+        self.written_bytes = Counter(f"{p}_written_bytes", "Object bytes written to a tier", ["tier"], registry=r)
+        self.stored = Counter(f"{p}_stored_chunks", "Chunks published in a tier", ["tier"], registry=r)
+        self.store_skipped = Counter(
+            f"{p}_store_skipped_chunks", "Stores skipped because the object was already there", ["tier"], registry=r
+        )
+        self.integrity = Counter(
+            f"{p}_integrity_failures", "Objects that failed format, identity or checksum checks", ["tier"], registry=r
+        )
+        self.errors = Counter(f"{p}_errors", "Backend errors (I/O, timeouts)", ["tier", "op"], registry=r)
+        self.dropped = Counter(
+            f"{p}_dropped_saves", "Chunks not written to a tier (queue full, breaker open, no space)", ["tier", "reason"], registry=r
+        )
+        self.evictions = Counter(f"{p}_evicted_chunks", "Chunks evicted to respect capacity", ["tier"], registry=r)
+        self.latency = Histogram(
+            f"{p}_op_seconds", "Latency of tier operations", ["tier", "op"], buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.used_bytes = Gauge(f"{p}_used_bytes", "Bytes held by a tier (this instance's view)", ["tier"], registry=r)
+        self.capacity_bytes = Gauge(f"{p}_capacity_bytes", "Configured capacity of a tier", ["tier"], registry=r)
+        self.breaker_open = Gauge(f"{p}_breaker_open", "1 while a tier's circuit breaker skips it", ["tier"], registry=r)
+
+    def for_tier(self, tier: str) -> "TierMetrics":
+        return TierMetrics(self, tier)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def value(self, name: str, **labels: Any) -> float:
+        """Current value of one sample (tests and reports)."""
+        v = self.registry.get_sample_value(name, labels)
+        return 0.0 if v is None else v
+
+
+@dataclass(frozen=True)
+class TierMetrics:
+    m: Metrics
+    tier: str
+
+    def hit(self, chunks: int, tokens: int, nbytes: int) -> None:
+        if chunks:
+            self.m.hits.labels(self.tier).inc(chunks)
+            self.m.hit_tokens.labels(self.tier).inc(tokens)
+            self.m.read_bytes.labels(self.tier).inc(nbytes)
+
+    def miss(self, chunks: int = 1) -> None:
+        if chunks:
+            self.m.misses.labels(self.tier).inc(chunks)
+
+    def wrote(self, nbytes: int) -> None:
+        self.m.stored.labels(self.tier).inc()
+        self.m.written_bytes.labels(self.tier).inc(nbytes)
+
+    def skipped(self) -> None:
+        self.m.store_skipped.labels(self.tier).inc()
+
+    def corrupt(self) -> None:
+        self.m.integrity.labels(self.tier).inc()
+
+    def error(self, op: str) -> None:
+        self.m.errors.labels(self.tier, op).inc()
+
+    def dropped(self, reason: str, chunks: int = 1) -> None:
+        if chunks:
+            self.m.dropped.labels(self.tier, reason).inc(chunks)
+
+    def evicted(self, chunks: int = 1) -> None:
+        self.m.evictions.labels(self.tier).inc(chunks)
+
+    def observe(self, op: str, seconds: float) -> None:
+        self.m.latency.labels(self.tier, op).observe(seconds)
+
+    def used(self, nbytes: int) -> None:
+        self.m.used_bytes.labels(self.tier).set(nbytes)
+
+    def capacity(self, nbytes: int) -> None:
+        self.m.capacity_bytes.labels(self.tier).set(nbytes)
+
+    def breaker(self, is_open: bool) -> None:
+        self.m.breaker_open.labels(self.tier).set(1 if is_open else 0)

@@ -1,0 +1,1 @@
+"""Tier implementations behind one contract (see ``base.Tier``)."""

@@ -1,0 +1,190 @@
+"""Local disk tier (NVMe): one owner process, byte capacity, LRU by kvtier's
+own access index.
+
+The index is an OrderedDict (least recently used first) rebuilt at start from
+the objects on disk plus an append-only access log, so recency survives
+restarts without trusting atime. Log records are 48 bytes: key digest (32),
+namespace prefix (8), access time (f64). The log is compacted at start and
+close. An exclusive ``flock`` on ``kvtier-v1/disk.lock`` keeps a second
+process from sharing the directory (that is what the shared tier is for).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import struct
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvtier.codec import ChunkObject
+from kvtier.config import ConfigError, opt
+from kvtier.keys import ChunkKey
+from kvtier.tiers.base import TierStats
+from kvtier.tiers.filetier import FileTier
+from kvtier.tiers.files import FileTierConfig
+
+log = logging.getLogger(__name__)
+
+_REC = struct.Struct("<32s8sd")
+
+
+@dataclass(frozen=True)
+class DiskConfig(FileTierConfig):
+    name: str = opt("disk", "tier name in metrics and logs")
+    tmp_max_age_s: float = opt(3600.0, "temp files older than this are swept at start")
+
+
+class DiskTier(FileTier):
+    kind = "disk"
+    Config = DiskConfig
+
+    def __init__(self, config: DiskConfig, metrics=None, breaker=None):
+        super().__init__(config, metrics, breaker)
+        self.capacity = config.capacity
+        self._lock = threading.Lock()
+        self._index: OrderedDict[bytes, tuple[Path, int]] = OrderedDict()
+        self._used = 0
+        self._lockfd = self._take_ownership()
+        swept = self.dir.sweep_tmp(0.0)  # we own the directory: every temp file is an orphan
+        if swept:
+            log.info("tier %s: swept %d orphaned temp files", self.name, swept)
+        self._log_path = self.dir.base / "access.log"
+        self._rebuild_index()
+        self._log = open(self._log_path, "ab", buffering=1 << 16)
+        self.metrics.used(self._used)
+
+    def _take_ownership(self) -> int:
+        path = self.dir.base / "disk.lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ConfigError(
+                f"{self.name}.path",
+                f"{self.config.path} is already used by another kvtier process",
+                "give each process its own disk directory, or use a shared tier for a directory many processes use",
+            ) from None
+        return fd
+
+    def _rebuild_index(self) -> None:
+        files: dict[bytes, tuple[Path, int, float]] = {}
+        for e in self.dir.scan():
+            try:
+                files[bytes.fromhex(e.key_hex)] = (e.path, e.size, e.mtime)
+            except ValueError:
+                continue
+        last: dict[bytes, float] = {}
+        try:
+            data = self._log_path.read_bytes()
+        except FileNotFoundError:
+            data = b""
+        for off in range(0, len(data) - len(data) % _REC.size, _REC.size):
+            digest, _, t = _REC.unpack_from(data, off)
+            last[digest] = t
+        order = sorted(files, key=lambda d: last.get(d, files[d][2]))
+        for d in order:
+            path, size, _ = files[d]
+            self._index[d] = (path, size)
+            self._used += size
+        tmp = self._log_path.with_suffix(".tmp")
+        with open(tmp, "wb") as f:
+            for d in order:
+                f.write(_REC.pack(d, bytes.fromhex(files[d][0].parent.parent.name)[:8], last.get(d, files[d][2])))
+        os.replace(tmp, self._log_path)
+        # Over capacity after a restart with a smaller limit: evict now.
+        with self._lock:
+            victims = self._evict_locked(0)
+        self._unlink_victims(victims)
+
+    def _record(self, key: ChunkKey) -> None:
+        # Caller holds self._lock (the log shares it).
+        self._log.write(_REC.pack(key.digest, key.ns[:8], time.time()))
+
+    def lookup(self, keys, timeout: float | None = None) -> int:
+        """Answered from the in-memory index: no I/O, no wait."""
+        with self._lock:
+            for i, k in enumerate(keys):
+                if k.digest not in self._index:
+                    return i
+            return len(keys)
+
+    # ------------------------------------------------------------ hooks
+    def _exists(self, key: ChunkKey) -> bool:
+        with self._lock:
+            return key.digest in self._index
+
+    def _admit(self, key: ChunkKey, obj: ChunkObject) -> bool:
+        size = obj.nbytes
+        if size > self.capacity:
+            return False
+        with self._lock:
+            victims = self._evict_locked(size)
+            self._used += size
+        self._unlink_victims(victims)
+        return True
+
+    def _evict_locked(self, incoming: int) -> list[Path]:
+        victims = []
+        while self._index and self._used + incoming > self.capacity:
+            _, (path, size) = self._index.popitem(last=False)
+            self._used -= size
+            victims.append(path)
+        return victims
+
+    def _unlink_victims(self, victims: list[Path]) -> None:
+        for path in victims:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        if victims:
+            self.metrics.evicted(len(victims))
+            self.metrics.used(self._used)
+
+    def _unadmit(self, key: ChunkKey, obj: ChunkObject) -> None:
+        with self._lock:
+            self._used -= obj.nbytes
+
+    def _stored(self, key: ChunkKey, obj: ChunkObject) -> None:
+        with self._lock:
+            old = self._index.pop(key.digest, None)
+            if old is not None:  # raced with another store of the same key
+                self._used -= old[1]
+            self._index[key.digest] = (self.dir.path(key), obj.nbytes)
+            self._record(key)
+            used = self._used
+        self.metrics.used(used)
+
+    def _touched(self, key: ChunkKey, mtime: float) -> None:
+        with self._lock:
+            if key.digest in self._index:
+                self._index.move_to_end(key.digest)
+                self._record(key)
+
+    def _forget(self, key: ChunkKey) -> None:
+        with self._lock:
+            entry = self._index.pop(key.digest, None)
+            if entry is not None:
+                self._used -= entry[1]
+            used = self._used
+        self.metrics.used(used)
+
+    # ------------------------------------------------------------ contract
+    def stats(self) -> TierStats:
+        with self._lock:
+            return TierStats(self.name, self.kind, len(self._index), self._used, self.capacity)
+
+    def close(self) -> None:
+        super().close()
+        with self._lock:
+            if not self._log.closed:
+                self._log.close()
+        if self._lockfd >= 0:
+            os.close(self._lockfd)
+            self._lockfd = -1

@@ -1,0 +1,356 @@
+"""What the disk and shared tiers have in common: the on-disk layout, atomic
+publication, verified reads, quarantine, temp-file sweeping, and the
+byte-windowed parallel reader.
+
+Layout under the configured directory::
+
+    kvtier-v1/objects/<ns:16 hex>/<key[0]:2 hex>/<key:64 hex>.kvc
+    kvtier-v1/tmp/<host>.<pid>.<random>.tmp        writes in progress
+    kvtier-v1/quarantine/<key>.<unix time>.kvc     objects that failed checks
+
+Names hold only hex digests: no token, model or tenant text ever appears in a
+path. Objects are published by ``rename`` from ``tmp/`` (same file system), so
+a reader sees either no file or a complete one. Files are opened with
+O_NOFOLLOW and created 0600 in 0700 directories.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from concurrent.futures import Future, TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+from kvtier.buffers import align_up, alloc
+from kvtier.codec import HEADER_BLOCK, MAX_PAYLOAD, ChunkObject, decode
+from kvtier.config import ConfigError, opt, size_field
+from kvtier.engine.executor import LOAD, PriorityExecutor
+from kvtier.errors import CorruptObject
+from kvtier.keys import ChunkKey
+
+log = logging.getLogger(__name__)
+
+LAYOUT_DIR = "kvtier-v1"
+SUFFIX = ".kvc"
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_HOST = socket.gethostname().replace(".", "_")[:64] or "host"
+
+
+@dataclass(frozen=True)
+class FileTierConfig:
+    """Options common to directory tiers."""
+
+    path: str = opt("", "directory for objects (required)")
+    capacity: int = size_field(0, "bytes this tier may hold (required)")
+    name: str = opt("", "tier name in metrics and logs (defaults to the kind)")
+    o_direct: bool = opt(True, "read with O_DIRECT into aligned buffers (falls back to buffered reads where unsupported)")
+    cold_reads: bool = opt(False, "drop each object from the page cache after reading it (benchmarks)")
+    read_window_bytes: int = size_field(64 << 20, "bytes of reads in flight per load")
+    io_threads: int = opt(16, "threads of this tier's I/O pool")
+    fsync: bool = opt(False, "fsync each object before publishing (checksums already catch torn data)")
+
+    def validate(self, prefix: str = "") -> None:
+        if not self.path:
+            raise ConfigError(f"{prefix}path", "is required", "set the directory, e.g. path: /nvme/kvtier")
+        if self.capacity <= 0:
+            raise ConfigError(f"{prefix}capacity", "must be set", "set how much this tier may hold, e.g. capacity: 500GiB")
+        if self.io_threads <= 0:
+            raise ConfigError(f"{prefix}io_threads", "must be positive", "use e.g. 16")
+        if self.read_window_bytes <= 0:
+            raise ConfigError(f"{prefix}read_window_bytes", "must be positive", "use e.g. 64MiB")
+
+
+@dataclass(frozen=True)
+class ObjectEntry:
+    path: Path
+    key_hex: str
+    ns_hex: str
+    size: int
+    mtime: float
+
+
+class ObjectDir:
+    """The directory layout and its file operations. Thread-safe; no state
+    beyond paths and the O_DIRECT fallback flag."""
+
+    def __init__(self, root: str | os.PathLike, config_key: str):
+        self.root = Path(root)
+        self.base = self.root / LAYOUT_DIR
+        self.objects = self.base / "objects"
+        self.tmp = self.base / "tmp"
+        self.quarantine_dir = self.base / "quarantine"
+        self.direct_ok = True
+        try:
+            for d in (self.base, self.objects, self.tmp, self.quarantine_dir):
+                d.mkdir(mode=0o700, parents=True, exist_ok=True)
+                if d.is_symlink():
+                    raise OSError(errno.ELOOP, "is a symlink")
+            probe = self.tmp / f"{_HOST}.{os.getpid()}.probe"
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            os.close(fd)
+            probe.unlink()
+        except OSError as exc:
+            raise ConfigError(
+                config_key,
+                f"directory {self.root} is not usable ({exc.strerror or exc})",
+                "point it at a writable directory owned by this user",
+            ) from None
+
+    # ------------------------------------------------------------ names
+    def path(self, key: ChunkKey) -> Path:
+        h = key.digest.hex()
+        return self.objects / key.ns[:8].hex() / h[:2] / (h + SUFFIX)
+
+    # ------------------------------------------------------------ read
+    def read(self, key: ChunkKey, o_direct: bool, cold: bool) -> tuple[ChunkObject, float]:
+        """Read and verify one object. Returns it with the file's mtime.
+
+        Raises FileNotFoundError for a miss, CorruptObject for a bad object,
+        OSError for I/O trouble.
+        """
+        path = self.path(key)
+        flags = os.O_RDONLY | os.O_NOFOLLOW
+        direct = o_direct and self.direct_ok and _O_DIRECT
+        fd = -1
+        if direct:
+            try:
+                fd = os.open(path, flags | _O_DIRECT)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self.direct_ok = direct = False  # this file system refuses O_DIRECT
+        if fd < 0:
+            fd = os.open(path, flags)
+        try:
+            st = os.fstat(fd)
+            if st.st_size < HEADER_BLOCK or st.st_size > HEADER_BLOCK + MAX_PAYLOAD:
+                raise CorruptObject(f"object size {st.st_size} out of range")
+            buf = alloc(align_up(st.st_size))
+            got = 0
+            while got < st.st_size:
+                n = os.preadv(fd, [buf[got:]], got)
+                if n <= 0:
+                    break
+                got += n
+            if cold and not direct:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        return decode(buf, key, got), st.st_mtime
+
+    # ------------------------------------------------------------ write
+    def write(self, obj: ChunkObject, key: ChunkKey, fsync: bool) -> None:
+        """Publish ``obj`` atomically under ``key``'s name."""
+        final = self.path(key)
+        tmp = self.tmp / f"{_HOST}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            try:
+                view = obj.buf
+                done = 0
+                while done < view.nbytes:
+                    done += os.write(fd, view[done:])
+                if fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            final.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.rename(tmp, final)
+        except BaseException:
+            _unlink(tmp)
+            raise
+
+    def exists(self, key: ChunkKey) -> bool:
+        try:
+            return os.stat(self.path(key), follow_symlinks=False).st_size >= HEADER_BLOCK
+        except OSError:
+            return False
+
+    def unlink(self, key: ChunkKey) -> int:
+        """Remove an object; returns the bytes freed (0 if it was not there)."""
+        path = self.path(key)
+        try:
+            size = os.stat(path, follow_symlinks=False).st_size
+            os.unlink(path)
+            return size
+        except FileNotFoundError:
+            return 0
+
+    def quarantine(self, key: ChunkKey) -> None:
+        """Move a bad object aside so that nobody reads it again."""
+        src = self.path(key)
+        dst = self.quarantine_dir / f"{key.digest.hex()}.{int(time.time())}{SUFFIX}"
+        try:
+            os.rename(src, dst)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            _unlink(src)
+
+    # ------------------------------------------------------------ housekeeping
+    def sweep_tmp(self, max_age_s: float, now: float | None = None) -> int:
+        """Remove temp files left by dead writers: this host's files whose
+        writer process is gone, and anyone's older than ``max_age_s``."""
+        now = time.time() if now is None else now
+        removed = 0
+        for entry in _scandir(self.tmp):
+            host, _, rest = entry.name.partition(".")
+            pid_s = rest.partition(".")[0]
+            dead = host == _HOST and pid_s.isdigit() and not _pid_alive(int(pid_s))
+            try:
+                old = now - entry.stat(follow_symlinks=False).st_mtime > max_age_s
+            except FileNotFoundError:
+                continue
+            if dead or old:
+                removed += _unlink(Path(entry.path))
+        return removed
+
+    def scan(self) -> Iterator[ObjectEntry]:
+        """Every published object (files only; anything else is ignored)."""
+        for ns_dir in _scandir(self.objects):
+            if not ns_dir.is_dir(follow_symlinks=False):
+                continue
+            for fan in _scandir(Path(ns_dir.path)):
+                if not fan.is_dir(follow_symlinks=False):
+                    continue
+                for e in _scandir(Path(fan.path)):
+                    if not e.name.endswith(SUFFIX) or not e.is_file(follow_symlinks=False):
+                        continue
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    yield ObjectEntry(Path(e.path), e.name[: -len(SUFFIX)], ns_dir.name, st.st_size, st.st_mtime)
+
+    def drop_cache(self) -> int:
+        """Write back and drop every object from the page cache (cold reads)."""
+        n = 0
+        for entry in self.scan():
+            try:
+                fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW)
+            except OSError:
+                continue
+            try:
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                n += 1
+            finally:
+                os.close(fd)
+        return n
+
+
+def _scandir(path: Path):
+    try:
+        with os.scandir(path) as it:
+            yield from it
+    except (FileNotFoundError, NotADirectoryError):
+        return
+
+
+def _unlink(path: Path) -> int:
+    try:
+        os.unlink(path)
+        return 1
+    except OSError:
+        return 0
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class ReadStream:
+    """Reads ``keys`` in parallel within a byte budget and yields the verified
+    objects in key order, stopping at the first miss.
+
+    Reads go into buffers the stream allocates, never into the caller's, so a
+    read that finishes after a timeout harms nobody. Completion callbacks
+    start the next reads as budget frees up: no submitter thread, no rounds.
+    ``read_one`` returns the object or None (miss) and may raise for errors.
+    """
+
+    def __init__(
+        self,
+        executor: PriorityExecutor,
+        keys: Sequence[ChunkKey],
+        read_one: Callable[[ChunkKey], ChunkObject | None],
+        window_bytes: int,
+        bytes_per_token: Callable[[], int],
+    ):
+        self._executor = executor
+        self._keys = keys
+        self._read_one = read_one
+        self._window = window_bytes
+        self._bpt = bytes_per_token
+        self._lock = threading.Condition()
+        self._futs: list[Future | None] = [None] * len(keys)
+        self._next = 0
+        self._inflight = 0
+        self._stopped = False
+        self.failed: BaseException | None = None  # error or timeout that ended the stream
+        with self._lock:
+            self._fill()
+
+    def _fill(self) -> None:
+        # Lock held. Submit reads while the window has room (one always fits).
+        while not self._stopped and self._next < len(self._keys):
+            key = self._keys[self._next]
+            est = max(1, key.num_tokens * self._bpt())
+            if self._inflight and self._inflight + est > self._window:
+                return
+            fut = self._executor.submit(LOAD, self._read_one, key)
+            self._futs[self._next] = fut
+            self._next += 1
+            self._inflight += est
+            fut.add_done_callback(lambda _f, est=est: self._done(est))
+            self._lock.notify_all()
+
+    def _done(self, est: int) -> None:
+        with self._lock:
+            self._inflight -= est
+            self._fill()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            futs = [f for f in self._futs if f is not None]
+        for f in futs:
+            f.cancel()
+
+    def iter(self, timeout: float | None) -> Iterator[ChunkObject]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            for i in range(len(self._keys)):
+                with self._lock:
+                    while self._futs[i] is None and not self._stopped:
+                        self._lock.wait(0.05)
+                    fut = self._futs[i]
+                if fut is None:
+                    return
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    obj = fut.result(remaining)
+                except FutureTimeout as exc:
+                    self.failed = exc
+                    return
+                except Exception as exc:  # I/O error: logged by the tier
+                    self.failed = exc
+                    return
+                if obj is None:
+                    return
+                yield obj
+        finally:
+            self.stop()

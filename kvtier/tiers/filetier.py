@@ -1,0 +1,196 @@
+"""Base of the directory tiers: verified parallel reads, atomic writes,
+circuit breaker and timeouts around every backend call.
+
+Threads: callers (any thread) submit jobs to this tier's own
+``PriorityExecutor``; jobs run on its workers. Subclasses decide where an
+object may live (``_admit``), remember accesses (``_touched``) and forget
+removed objects (``_forget``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Iterator, Sequence
+
+from kvtier.codec import ChunkObject
+from kvtier.engine.breaker import CircuitBreaker
+from kvtier.engine.executor import DELETE, LOAD, STORE, PriorityExecutor
+from kvtier.errors import CorruptObject
+from kvtier.keys import ChunkKey
+from kvtier.tiers.base import Tier
+from kvtier.tiers.files import FileTierConfig, ObjectDir, ReadStream
+
+log = logging.getLogger(__name__)
+
+_DEFAULT_BYTES_PER_TOKEN = 16 << 10
+
+
+class FileTier(Tier):
+    Config = FileTierConfig
+
+    def __init__(self, config: FileTierConfig, metrics=None, breaker: CircuitBreaker | None = None):
+        super().__init__(config, metrics, breaker)
+        self.dir = ObjectDir(config.path, f"{self.name}.path")
+        self.executor = PriorityExecutor(self.name, config.io_threads)
+        self._bytes_per_token = _DEFAULT_BYTES_PER_TOKEN
+
+    # ------------------------------------------------------------ hooks
+    def _admit(self, key: ChunkKey, obj: ChunkObject) -> bool:
+        """Make room for ``obj``; False refuses the store (counted by caller)."""
+        return True
+
+    def _stored(self, key: ChunkKey, obj: ChunkObject) -> None:
+        """``obj`` is now published."""
+
+    def _unadmit(self, key: ChunkKey, obj: ChunkObject) -> None:
+        """A store admitted by ``_admit`` failed."""
+
+    def _touched(self, key: ChunkKey, mtime: float) -> None:
+        """``key`` was just read (its file had ``mtime``)."""
+
+    def _forget(self, key: ChunkKey) -> None:
+        """``key`` is gone (deleted, missing or quarantined)."""
+
+    def _exists(self, key: ChunkKey) -> bool:
+        return self.dir.exists(key)
+
+    # ------------------------------------------------------------ contract
+    def _guard(self, ok: bool, op: str) -> None:
+        self.breaker.record(ok)
+        self.metrics.breaker(self.breaker.state != "closed")
+        if not ok:
+            self.metrics.error(op)
+
+    def lookup(self, keys: Sequence[ChunkKey], timeout: float | None = None) -> int:
+        """Existence checks run in parallel on the pool (a round trip each on
+        a network mount); the answer is the leading run of hits."""
+        if not keys or not self.breaker.allow():
+            return 0
+        t0 = time.perf_counter()
+        deadline = None if timeout is None else t0 + timeout
+        futs = [self.executor.submit(LOAD, self._exists, k) for k in keys]
+        n, ok = 0, True
+        try:
+            for f in futs:
+                remaining = None if deadline is None else max(0.0, deadline - time.perf_counter())
+                if not f.result(remaining):
+                    break
+                n += 1
+        except FutureTimeout:
+            log.warning("tier %s: lookup timed out after %.1fs; treating as a miss", self.name, timeout)
+            n, ok = 0, False
+        except OSError as exc:
+            log.warning("tier %s: lookup failed: %s", self.name, exc)
+            n, ok = 0, False
+        finally:
+            for f in futs:
+                f.cancel()
+        self._guard(ok, "lookup")
+        self.metrics.observe("lookup", time.perf_counter() - t0)
+        return n
+
+    def fetch(self, keys: Sequence[ChunkKey], timeout: float | None = None) -> Iterator[ChunkObject]:
+        if not keys:
+            return iter(())
+        if not self.breaker.allow():
+            self.metrics.miss(len(keys))
+            return iter(())
+        stream = ReadStream(self.executor, keys, self._read_one, self.config.read_window_bytes, lambda: self._bytes_per_token)
+        return self._drain(stream, len(keys), timeout)
+
+    def _drain(self, stream: ReadStream, asked: int, timeout: float | None) -> Iterator[ChunkObject]:
+        served = 0
+        try:
+            for obj in stream.iter(timeout):
+                served += 1
+                yield obj
+        finally:
+            if stream.failed is not None:
+                kind = "timed out" if isinstance(stream.failed, FutureTimeout) else f"failed: {stream.failed}"
+                log.warning("tier %s: read %s; the rest is recomputed", self.name, kind)
+                self._guard(False, "load")
+            elif served:
+                self._guard(True, "load")
+            self.metrics.miss(asked - served)
+
+    def _read_one(self, key: ChunkKey) -> ChunkObject | None:
+        t0 = time.perf_counter()
+        try:
+            obj, mtime = self.dir.read(key, self.config.o_direct, self.config.cold_reads)
+        except FileNotFoundError:
+            self._forget(key)
+            return None
+        except CorruptObject as exc:
+            log.warning("tier %s: object %s failed verification (%s); quarantined", self.name, key.hex[:16], exc)
+            self.metrics.corrupt()
+            self.dir.quarantine(key)
+            self._forget(key)
+            return None
+        h = obj.header
+        self._bytes_per_token = max(1, obj.nbytes // max(1, h.num_tokens))
+        self.metrics.hit(1, h.num_tokens, obj.nbytes)
+        self.metrics.observe("read", time.perf_counter() - t0)
+        self._touched(key, mtime)
+        return obj
+
+    def store(self, objs: Sequence[ChunkObject]) -> int:
+        """Write objects synchronously (callers run this on the tier's pool
+        via ``store_async``). Stops at the first failure: later chunks would
+        sit behind a gap."""
+        if not self.breaker.allow():
+            self.metrics.dropped("breaker_open", len(objs))
+            return 0
+        for n, obj in enumerate(objs):
+            ok, reason = self._store_one(key_of(obj), obj)
+            if not ok:
+                self.metrics.dropped(reason, len(objs) - n)
+                return n
+        return len(objs)
+
+    def store_async(self, objs: Sequence[ChunkObject]):
+        return self.executor.submit(STORE, self.store, objs)
+
+    def _store_one(self, key: ChunkKey, obj: ChunkObject) -> tuple[bool, str]:
+        if self._exists(key):
+            self.metrics.skipped()
+            self._touched(key, 0.0)
+            return True, ""
+        if not self._admit(key, obj):
+            return False, "capacity"
+        t0 = time.perf_counter()
+        try:
+            self.dir.write(obj, key, self.config.fsync)
+        except OSError as exc:
+            self._unadmit(key, obj)
+            log.warning("tier %s: write failed (%s); chunk dropped", self.name, exc.strerror or exc)
+            self._guard(False, "store")
+            return False, "no_space" if exc.errno in (28, 122) else "error"
+        self._guard(True, "store")
+        self._stored(key, obj)
+        self.metrics.wrote(obj.nbytes)
+        self.metrics.observe("write", time.perf_counter() - t0)
+        return True, ""
+
+    def delete(self, keys: Sequence[ChunkKey]) -> int:
+        return self.executor.submit(DELETE, self._delete_now, keys).result()
+
+    def _delete_now(self, keys: Sequence[ChunkKey]) -> int:
+        n = 0
+        for k in keys:
+            if self.dir.unlink(k):
+                n += 1
+            self._forget(k)
+        return n
+
+    def drop_cache(self) -> int:
+        return self.dir.drop_cache()
+
+    def close(self) -> None:
+        self.executor.close()
+
+
+def key_of(obj: ChunkObject) -> ChunkKey:
+    h = obj.header
+    return ChunkKey(h.key, h.check, h.ns, h.num_tokens)

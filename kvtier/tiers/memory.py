@@ -1,0 +1,151 @@
+"""Host DRAM tier: byte capacity, LRU, objects pinned while read.
+
+All state sits behind one lock, held only for bookkeeping, never across a
+copy. ``fetch`` pins the entries it yields; eviction skips pinned entries, and
+a store that cannot make room without evicting a pinned one is refused.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+from kvtier.codec import ChunkObject
+from kvtier.config import ConfigError, opt, size_field
+from kvtier.keys import ChunkKey
+from kvtier.tiers.base import Tier, TierStats
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    capacity: int = size_field(0, "bytes of host DRAM for chunks (required)")
+    name: str = opt("memory", "tier name in metrics and logs")
+
+    def validate(self, prefix: str = "") -> None:
+        if self.capacity <= 0:
+            raise ConfigError(f"{prefix}capacity", "must be set for the memory tier", "set it, e.g. capacity: 8GiB")
+
+
+class _Entry:
+    __slots__ = ("obj", "pins")
+
+    def __init__(self, obj: ChunkObject):
+        self.obj = obj
+        self.pins = 0
+
+
+class MemoryTier(Tier):
+    kind = "memory"
+    Config = MemoryConfig
+    persistent = False
+
+    def __init__(self, config: MemoryConfig, metrics=None, breaker=None):
+        super().__init__(config, metrics, breaker)
+        self.capacity = config.capacity
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
+        self._used = 0
+
+    def _get(self, key: ChunkKey) -> _Entry | None:
+        e = self._entries.get(key.digest)
+        if e is None or not e.obj.header.matches(key):
+            return None
+        return e
+
+    def lookup(self, keys: Sequence[ChunkKey], timeout: float | None = None) -> int:
+        with self._lock:
+            for i, k in enumerate(keys):
+                if self._get(k) is None:
+                    return i
+            return len(keys)
+
+    def fetch(self, keys: Sequence[ChunkKey], timeout: float | None = None) -> Iterator[ChunkObject]:
+        pinned: list[_Entry] = []
+        with self._lock:
+            for k in keys:
+                e = self._get(k)
+                if e is None:
+                    break
+                e.pins += 1
+                self._entries.move_to_end(k.digest)
+                pinned.append(e)
+        self.metrics.miss(len(keys) - len(pinned))
+        try:
+            for e in pinned:
+                yield e.obj
+                self.metrics.hit(1, e.obj.header.num_tokens, e.obj.nbytes)
+        finally:
+            with self._lock:
+                for e in pinned:
+                    e.pins -= 1
+
+    def store(self, objs: Sequence[ChunkObject]) -> int:
+        for n, obj in enumerate(objs):
+            if not self._put(obj):
+                self.metrics.dropped("capacity", len(objs) - n)
+                return n
+        return len(objs)
+
+    def _put(self, obj: ChunkObject) -> bool:
+        size = obj.nbytes
+        if size > self.capacity:
+            return False
+        evicted = 0
+        with self._lock:
+            old = self._entries.get(obj.header.key)
+            if old is not None and old.obj.header == obj.header:
+                self._entries.move_to_end(obj.header.key)
+                self.metrics.skipped()
+                return True
+            if old is not None:  # a colliding or stale entry: replace it unless in use
+                if old.pins:
+                    return False
+                self._remove(obj.header.key)
+            victims = []
+            free = self.capacity - self._used
+            for digest, e in self._entries.items():
+                if free >= size:
+                    break
+                if e.pins == 0:
+                    victims.append(digest)
+                    free += e.obj.nbytes
+            if free < size:
+                return False
+            for digest in victims:
+                self._remove(digest)
+                evicted += 1
+            self._entries[obj.header.key] = _Entry(obj)
+            self._used += size
+            used = self._used
+        if evicted:
+            self.metrics.evicted(evicted)
+        self.metrics.wrote(size)
+        self.metrics.used(used)
+        return True
+
+    def _remove(self, digest: bytes) -> None:
+        e = self._entries.pop(digest)
+        self._used -= e.obj.nbytes
+
+    def delete(self, keys: Sequence[ChunkKey]) -> int:
+        n = 0
+        with self._lock:
+            for k in keys:
+                e = self._entries.get(k.digest)
+                if e is not None and e.pins == 0:
+                    self._remove(k.digest)
+                    n += 1
+            used = self._used
+        self.metrics.used(used)
+        return n
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            return TierStats(self.name, self.kind, len(self._entries), self._used, self.capacity)
+
+    def close(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._used = 0

@@ -1,0 +1,221 @@
+"""Shared directory tier: one directory on a mount that many processes and
+machines use at once (NFS, Lustre, 3FS, Weka, ... in production).
+
+- Publication by rename from ``tmp/``: readers see nothing or a whole object.
+- Check before write: an object another instance already published is not
+  written again (spares the array's flash and the network).
+- Access index: on a hit, kvtier stamps the object's mtime itself (at most
+  once per ``touch_interval_s``), so recency does not depend on atime, which
+  shared mounts usually disable.
+- Capacity: a watermark garbage collector (``gc``) deletes the least recently
+  stamped objects once usage passes ``high_watermark`` until it falls under
+  ``low_watermark``. Any instance may run it (``kvtier store gc`` or the
+  automatic pass every ``gc_interval_s``): a lease file keeps two collectors
+  from working at once, and deleting a content-addressed object is always
+  safe (a reader that already opened it keeps its data; a later reader
+  misses and recomputes).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from kvtier.config import ConfigError, opt
+from kvtier.engine.executor import MAINTENANCE
+from kvtier.keys import ChunkKey
+from kvtier.tiers.base import TierStats
+from kvtier.tiers.filetier import FileTier
+from kvtier.tiers.files import FileTierConfig, _HOST, _pid_alive, _scandir
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SharedConfig(FileTierConfig):
+    name: str = opt("shared", "tier name in metrics and logs")
+    high_watermark: float = opt(0.95, "usage fraction of capacity that starts garbage collection")
+    low_watermark: float = opt(0.85, "usage fraction garbage collection brings usage down to")
+    touch_interval_s: float = opt(60.0, "minimum seconds between two access stamps of one object")
+    gc_interval_s: float = opt(60.0, "seconds between automatic collection passes of this instance (0: never)")
+    tmp_max_age_s: float = opt(3600.0, "temp files older than this are another writer's leftovers")
+    lease_s: float = opt(600.0, "a collector's lease; a newer collector takes over an older lease")
+
+    def validate(self, prefix: str = "") -> None:
+        super().validate(prefix)
+        if not 0 < self.low_watermark < self.high_watermark <= 1:
+            raise ConfigError(
+                f"{prefix}low_watermark",
+                f"need 0 < low_watermark ({self.low_watermark}) < high_watermark ({self.high_watermark}) <= 1",
+                "use e.g. low_watermark: 0.85, high_watermark: 0.95",
+            )
+
+
+@dataclass(frozen=True)
+class GcResult:
+    ran: bool
+    objects: int
+    bytes_before: int
+    deleted: int
+    bytes_after: int
+    tmp_swept: int
+    quarantine_swept: int
+    seconds: float
+
+
+class SharedTier(FileTier):
+    kind = "shared"
+    Config = SharedConfig
+
+    def __init__(self, config: SharedConfig, metrics=None, breaker=None):
+        super().__init__(config, metrics, breaker)
+        self.capacity = config.capacity
+        self._lock = threading.Lock()
+        self._used_estimate = 0  # last scan + own writes since
+        self._objects_estimate = 0
+        self._last_gc = time.monotonic()
+        self._gc_pending = False
+        swept = self.dir.sweep_tmp(config.tmp_max_age_s)
+        if swept:
+            log.info("tier %s: swept %d orphaned temp files", self.name, swept)
+
+    # ------------------------------------------------------------ hooks
+    def _touched(self, key: ChunkKey, mtime: float) -> None:
+        now = time.time()
+        if now - mtime < self.config.touch_interval_s:
+            return
+        try:
+            os.utime(self.dir.path(key), (now, now), follow_symlinks=False)
+        except OSError:
+            pass  # deleted meanwhile: nothing to stamp
+
+    def _stored(self, key, obj) -> None:
+        with self._lock:
+            self._used_estimate += obj.nbytes
+            self._objects_estimate += 1
+            due = (
+                self.config.gc_interval_s > 0
+                and not self._gc_pending
+                and time.monotonic() - self._last_gc >= self.config.gc_interval_s
+            )
+            if due:
+                self._gc_pending = True
+        self.metrics.used(self._used_estimate)
+        if due:
+            fut = self.executor.submit(MAINTENANCE, self._auto_gc)
+            fut.add_done_callback(_log_failure(self.name))
+
+    def _auto_gc(self) -> None:
+        try:
+            self.gc()
+        finally:
+            with self._lock:
+                self._gc_pending = False
+                self._last_gc = time.monotonic()
+
+    # ------------------------------------------------------------ gc
+    def gc(self, dry_run: bool = False, progress: Callable[[int], None] | None = None) -> GcResult:
+        """One collection pass. Safe to run from any number of instances."""
+        t0 = time.monotonic()
+        lease = self.dir.base / "gc.lease"
+        if not dry_run and not self._take_lease(lease):
+            return GcResult(False, 0, 0, 0, 0, 0, 0, time.monotonic() - t0)
+        try:
+            entries = []
+            for e in self.dir.scan():
+                entries.append(e)
+                if progress is not None:
+                    progress(1)
+            total = sum(e.size for e in entries)
+            deleted = 0
+            after = total
+            if total > self.config.high_watermark * self.capacity:
+                target = self.config.low_watermark * self.capacity
+                entries.sort(key=lambda e: e.mtime)
+                for e in entries:
+                    if after <= target:
+                        break
+                    if not dry_run:
+                        try:
+                            os.unlink(e.path)
+                        except FileNotFoundError:
+                            continue
+                    after -= e.size
+                    deleted += 1
+            tmp_swept = q_swept = 0
+            if not dry_run:
+                tmp_swept = self.dir.sweep_tmp(self.config.tmp_max_age_s)
+                q_swept = self._sweep_quarantine()
+                if deleted:
+                    self.metrics.evicted(deleted)
+            with self._lock:
+                self._used_estimate = after
+                self._objects_estimate = len(entries) - deleted
+            self.metrics.used(after)
+            return GcResult(True, len(entries), total, deleted, after, tmp_swept, q_swept, time.monotonic() - t0)
+        finally:
+            if not dry_run:
+                _release_lease(lease)
+
+    def _take_lease(self, lease) -> bool:
+        body = json.dumps({"host": _HOST, "pid": os.getpid(), "time": time.time()}).encode()
+        for _ in range(2):
+            try:
+                fd = os.open(lease, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            except FileExistsError:
+                if not self._lease_stale(lease):
+                    return False
+                try:
+                    os.unlink(lease)
+                except FileNotFoundError:
+                    pass
+                continue
+            with os.fdopen(fd, "wb") as f:
+                f.write(body)
+            return True
+        return False
+
+    def _lease_stale(self, lease) -> bool:
+        try:
+            info = json.loads(lease.read_bytes())
+            age = time.time() - float(info["time"])
+            same_host_dead = info.get("host") == _HOST and not _pid_alive(int(info["pid"]))
+            return same_host_dead or age > self.config.lease_s
+        except (OSError, ValueError, KeyError, TypeError):
+            return True  # unreadable lease: treat as abandoned
+
+    def _sweep_quarantine(self, max_age_s: float = 86400.0) -> int:
+        now, n = time.time(), 0
+        for e in _scandir(self.dir.quarantine_dir):
+            try:
+                if now - e.stat(follow_symlinks=False).st_mtime > max_age_s:
+                    os.unlink(e.path)
+                    n += 1
+            except OSError:
+                continue
+        return n
+
+    # ------------------------------------------------------------ contract
+    def stats(self) -> TierStats:
+        with self._lock:
+            return TierStats(self.name, self.kind, self._objects_estimate, self._used_estimate, self.capacity)
+
+
+def _release_lease(lease) -> None:
+    try:
+        os.unlink(lease)
+    except FileNotFoundError:
+        pass
+
+
+def _log_failure(name: str):
+    def cb(fut) -> None:
+        if not fut.cancelled() and fut.exception() is not None:
+            log.error("tier %s: background collection failed: %s", name, fut.exception())
+
+    return cb
