@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import math
 import struct
+import threading
 import zlib
 from dataclasses import dataclass
 
 import xxhash
 
-from kvtier.buffers import ALIGN, align_up, alloc, copy_into
+from kvtier.buffers import ALIGN, BufferPool, align_up, alloc, copy_into
 from kvtier.errors import CorruptObject
 from kvtier.keys import ChunkKey
 from kvtier.version import FORMAT_VERSION
@@ -44,9 +45,10 @@ HEADER_BLOCK = ALIGN
 MAX_NDIM = 8
 MAX_PAYLOAD = 1 << 32  # 4 GiB: far above any real chunk; refuses absurd headers
 
-_HEAD = struct.Struct("<8sHHI32s16s32s16sB7x8QIQ16s")
+_HEAD = struct.Struct("<8sHHI32s16s32s16sB7s8QIQ16s")
 _CRC = struct.Struct("<I")
 HEADER_STRUCT_SIZE = _HEAD.size + _CRC.size  # 216
+_ZEROS = bytes(HEADER_BLOCK)  # reference for padding checks (either kind is shorter)
 
 DTYPE_SIZES = {
     "float32": 4,
@@ -83,19 +85,43 @@ class Header:
         )
 
 
+_REFS_LOCK = threading.Lock()
+
+
 class ChunkObject:
-    """An encoded chunk held in an owned, immutable-by-convention buffer.
+    """An encoded chunk held in an immutable-by-convention buffer.
 
     ``buf`` covers the whole object (header block + padded payload). Nobody
     writes to it after ``encode``/``decode`` returns, so it may be shared by
-    the memory tier and any number of readers.
+    the memory tier, write-through jobs and readers at once.
+
+    Ownership is counted: the creator holds one reference; every further
+    owner calls ``retain`` and later ``release``. When the count reaches zero
+    a pooled buffer goes back to its pool; an object never released is simply
+    garbage collected (safe, just not recycled).
     """
 
-    __slots__ = ("header", "buf")
+    __slots__ = ("header", "buf", "_refs", "_pool")
 
-    def __init__(self, header: Header, buf: memoryview):
+    def __init__(self, header: Header, buf: memoryview, pool: BufferPool | None = None):
         self.header = header
         self.buf = buf
+        self._refs = 1
+        self._pool = pool
+
+    def retain(self) -> "ChunkObject":
+        with _REFS_LOCK:
+            if self._refs <= 0:
+                raise RuntimeError("retain() of a released ChunkObject")
+            self._refs += 1
+        return self
+
+    def release(self) -> None:
+        with _REFS_LOCK:
+            self._refs -= 1
+            last = self._refs == 0
+        if last and self._pool is not None:
+            self._pool.put(self.buf)
 
     @property
     def payload(self) -> memoryview:
@@ -110,7 +136,9 @@ def payload_checksum(payload: memoryview | bytes) -> bytes:
     return xxhash.xxh3_128_digest(payload)
 
 
-def encode(key: ChunkKey, dtype: str, shape: tuple[int, ...], payload: memoryview | bytes) -> ChunkObject:
+def encode(
+    key: ChunkKey, dtype: str, shape: tuple[int, ...], payload: memoryview | bytes, pool: BufferPool | None = None
+) -> ChunkObject:
     """Copy ``payload`` into a new aligned object with its header."""
     payload = memoryview(payload).cast("B")
     _check_layout(dtype, shape, payload.nbytes)
@@ -124,10 +152,14 @@ def encode(key: ChunkKey, dtype: str, shape: tuple[int, ...], payload: memoryvie
         payload_len=payload.nbytes,
         checksum=payload_checksum(payload),
     )
-    buf = alloc(header.object_len)
+    buf = pool.get(header.object_len) if pool is not None else alloc(header.object_len)
+    buf[:HEADER_BLOCK] = bytes(HEADER_BLOCK)  # a recycled buffer holds old bytes
     buf[:HEADER_STRUCT_SIZE] = pack_header(header)
     copy_into(buf[HEADER_BLOCK : HEADER_BLOCK + payload.nbytes], payload)
-    return ChunkObject(header, buf)
+    tail = header.object_len - HEADER_BLOCK - payload.nbytes
+    if tail:
+        buf[header.object_len - tail :] = bytes(tail)
+    return ChunkObject(header, buf, pool)
 
 
 def pack_header(h: Header) -> bytes:
@@ -142,6 +174,7 @@ def pack_header(h: Header) -> bytes:
         h.ns,
         h.dtype.encode("ascii"),
         len(h.shape),
+        b"",
         *shape,
         h.num_tokens,
         h.payload_len,
@@ -159,14 +192,14 @@ def parse_header(block: memoryview | bytes) -> Header:
     (crc,) = _CRC.unpack(block[_HEAD.size : HEADER_STRUCT_SIZE])
     if zlib.crc32(head) != crc:
         raise CorruptObject("header checksum mismatch")
-    (magic, version, hsize, flags, key, check, ns, dtype, ndim, *rest) = _HEAD.unpack(head)
+    (magic, version, hsize, flags, key, check, ns, dtype, ndim, reserved, *rest) = _HEAD.unpack(head)
     shape8, (num_tokens, payload_len, checksum) = rest[:MAX_NDIM], rest[MAX_NDIM:]
     if magic != MAGIC:
         raise CorruptObject("bad magic")
     if version != FORMAT_VERSION:
         raise CorruptObject(f"format version {version}, this reader speaks {FORMAT_VERSION}")
-    if hsize != HEADER_STRUCT_SIZE or flags != 0:
-        raise CorruptObject("unknown header size or flags")
+    if hsize != HEADER_STRUCT_SIZE or flags != 0 or any(reserved):
+        raise CorruptObject("unknown header size, flags or reserved bytes")
     if not 0 < ndim <= MAX_NDIM or any(shape8[ndim:]):
         raise CorruptObject(f"bad ndim {ndim}")
     try:
@@ -192,19 +225,29 @@ def _check_layout(dtype: str, shape: tuple[int, ...], payload_len: int) -> None:
         raise ValueError(f"shape {shape} of {dtype} does not match payload length {payload_len}")
 
 
-def decode(buf: memoryview, key: ChunkKey, expect_len: int | None = None) -> ChunkObject:
+def decode(buf: memoryview, key: ChunkKey, expect_len: int | None = None, pool: BufferPool | None = None) -> ChunkObject:
     """Verify a whole object read from storage against the key it was read for.
 
     ``expect_len`` is the number of bytes actually read (a truncated file reads
     short). Raises CorruptObject on any mismatch; never returns doubtful data.
     """
     header = parse_header(buf[:HEADER_STRUCT_SIZE])
-    have = buf.nbytes if expect_len is None else expect_len
-    if have < HEADER_BLOCK + header.payload_len:
-        raise CorruptObject(f"truncated: {have} B, need {HEADER_BLOCK + header.payload_len}")
+    have = buf.nbytes if expect_len is None else min(expect_len, buf.nbytes)
+    # Writers always write the whole block-aligned object: anything shorter is
+    # torn or truncated, even where the cut only loses padding.
+    if have < header.object_len:
+        raise CorruptObject(f"truncated: {have} B, need {header.object_len}")
+    # Padding is zero by format; a nonzero byte there is damage the checksums
+    # do not cover, and damaged storage is not to be trusted.
+    end = HEADER_BLOCK + header.payload_len
+    if (
+        buf[HEADER_STRUCT_SIZE:HEADER_BLOCK] != _ZEROS[HEADER_STRUCT_SIZE:]
+        or buf[end : header.object_len] != _ZEROS[: header.object_len - end]
+    ):
+        raise CorruptObject("nonzero bytes in the padding")
     if not header.matches(key):
         raise CorruptObject("key, check, namespace or token count does not match the requested key")
-    obj = ChunkObject(header, buf)
+    obj = ChunkObject(header, buf, pool)
     if payload_checksum(obj.payload) != header.checksum:
         raise CorruptObject("payload checksum mismatch")
     return obj

@@ -133,7 +133,8 @@ class StoreConfig:
     lookup_timeout_s: float = opt(2.0, "deadline for one batched lookup in a persistent tier")
     breaker_threshold: int = opt(5, "consecutive failures that open a tier's circuit breaker")
     breaker_cooldown_s: float = opt(10.0, "seconds a tripped tier is skipped before one probe call")
-    promote: bool = opt(True, "copy chunks loaded from lower tiers into the memory tier")
+    promote: bool = opt(True, "keep chunks loaded from lower tiers in the memory tier")
+    buffer_pool_bytes: int = size_field(256 * MiB, "recycled read buffers kept per store (saves page faults on cold reads)")
 
     def validate(self, prefix: str = "") -> None:
         if self.chunk_tokens <= 0:

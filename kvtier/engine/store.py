@@ -20,7 +20,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from kvtier.buffers import copy_into
+from kvtier.buffers import BufferPool, copy_into
 from kvtier.codec import ChunkObject, encode
 from kvtier.config import StoreConfig
 from kvtier.engine.breaker import CircuitBreaker
@@ -58,6 +58,7 @@ class TieredStore:
     def __init__(self, config: StoreConfig, metrics: Metrics | None = None, chunk_bytes: int | None = None):
         self.config = config
         self.metrics = metrics or Metrics()
+        self.pool = BufferPool(config.buffer_pool_bytes)
         self.tiers: list[Tier] = []
         try:
             for i, spec in enumerate(config.tiers):
@@ -69,7 +70,7 @@ class TieredStore:
                     )
                 cls = registry.resolve(spec.kind, f"tiers[{i}].kind")
                 breaker = CircuitBreaker(config.breaker_threshold, config.breaker_cooldown_s)
-                self.tiers.append(cls(spec.config, self.metrics, breaker))
+                self.tiers.append(cls(spec.config, self.metrics, breaker, self.pool))
         except BaseException:
             for t in self.tiers:
                 t.close()
@@ -120,10 +121,18 @@ class TieredStore:
             for tier, want, it in streams:
                 got = 0
                 for obj in it:
-                    if self.config.promote and self.memory is not None and tier is not self.memory:
-                        self.memory.store([obj])
                     got += 1
-                    yield obj
+                    if not tier.persistent:
+                        yield obj  # lent by the memory tier, pinned meanwhile
+                        continue
+                    try:
+                        yield obj
+                        # The consumer is done with it: now the memory tier may
+                        # take it (and later evict and recycle it).
+                        if self.config.promote and self.memory is not None:
+                            self.memory.store([obj])
+                    finally:
+                        obj.release()
                 if got < want:
                     return
         finally:
@@ -170,10 +179,16 @@ class TieredStore:
     ) -> int:
         """Encode (one copy; the caller's buffers are free on return), keep in
         memory and write through. Returns the number of chunks accepted."""
-        objs = [encode(k, dtype, tuple(s), p) for k, p, s in zip(keys, payloads, shapes)]
-        return self.put(objs)
+        objs = [encode(k, dtype, tuple(s), p, self.pool) for k, p, s in zip(keys, payloads, shapes)]
+        try:
+            return self.put(objs)
+        finally:
+            for o in objs:
+                o.release()
 
     def put(self, objs: Sequence[ChunkObject]) -> int:
+        """Store encoded objects. The caller keeps its own references; the
+        memory tier and each write-through job take theirs."""
         if not objs:
             return 0
         if self.memory is not None:
@@ -197,12 +212,15 @@ class TieredStore:
             tier.metrics.dropped("queue_full", len(objs) - n)
         if not n:
             return
-        fut = tier.store_async(list(objs[:n]))
+        batch = [o.retain() for o in objs[:n]]
+        fut = tier.store_async(batch)
         with self._lock:
             self._pending.add(fut)
-        fut.add_done_callback(lambda f, nbytes=nbytes, tier=tier: self._written(f, nbytes, tier))
+        fut.add_done_callback(lambda f: self._written(f, nbytes, tier, batch))
 
-    def _written(self, fut: Future, nbytes: int, tier: Tier) -> None:
+    def _written(self, fut: Future, nbytes: int, tier: Tier, batch: list[ChunkObject]) -> None:
+        for o in batch:
+            o.release()
         with self._lock:
             self._pending.discard(fut)
             self._pending_bytes -= nbytes

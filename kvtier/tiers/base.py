@@ -11,9 +11,14 @@
 
 Keys are ``ChunkKey``; objects are ``ChunkObject``. Every method is batched.
 A tier never raises for storage trouble: it counts it and answers with a
-shorter prefix. Objects yielded by ``fetch`` are owned, immutable buffers the
-caller may keep; buffers passed to ``load`` belong to the caller and are only
-written before ``load`` returns.
+shorter prefix.
+
+Objects yielded by ``fetch`` are lent: valid until the consumer resumes the
+iterator. A persistent tier hands each object over with its reference (the
+consumer calls ``release`` when done, or ``retain`` to keep it longer); the
+memory tier keeps its own reference and pins the entry while it is lent.
+``persistent`` tells which. Buffers passed to ``load`` belong to the caller and
+are only written before ``load`` returns.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import abc
 from dataclasses import dataclass
 from typing import ClassVar, Iterator, Sequence
 
-from kvtier.buffers import copy_into
+from kvtier.buffers import BufferPool, copy_into
 from kvtier.codec import ChunkObject
 from kvtier.engine.breaker import CircuitBreaker
 from kvtier.keys import ChunkKey
@@ -43,9 +48,16 @@ class Tier(abc.ABC):
     Config: ClassVar[type]
     persistent: ClassVar[bool] = True
 
-    def __init__(self, config, metrics: Metrics | None = None, breaker: CircuitBreaker | None = None):
+    def __init__(
+        self,
+        config,
+        metrics: Metrics | None = None,
+        breaker: CircuitBreaker | None = None,
+        pool: BufferPool | None = None,
+    ):
         self.config = config
         self.breaker = breaker or CircuitBreaker()
+        self.pool = pool if pool is not None else BufferPool()
         self.name: str = config.name
         self.metrics: TierMetrics = (metrics or Metrics()).for_tier(self.name)
         self.metrics.capacity(config.capacity)
@@ -77,10 +89,14 @@ class Tier(abc.ABC):
         it = self.fetch(keys, timeout)
         try:
             for obj, buf in zip(it, bufs):
-                if memoryview(buf).nbytes != obj.header.payload_len:
-                    break
-                copy_into(memoryview(buf).cast("B"), obj.payload)
-                n += 1
+                try:
+                    if memoryview(buf).nbytes != obj.header.payload_len:
+                        break
+                    copy_into(memoryview(buf).cast("B"), obj.payload)
+                    n += 1
+                finally:
+                    if self.persistent:
+                        obj.release()
         finally:
             close = getattr(it, "close", None)
             if close is not None:

@@ -43,8 +43,8 @@ class DiskTier(FileTier):
     kind = "disk"
     Config = DiskConfig
 
-    def __init__(self, config: DiskConfig, metrics=None, breaker=None):
-        super().__init__(config, metrics, breaker)
+    def __init__(self, config: DiskConfig, metrics=None, breaker=None, pool=None):
+        super().__init__(config, metrics, breaker, pool)
         self.capacity = config.capacity
         self._lock = threading.Lock()
         self._index: OrderedDict[bytes, tuple[Path, int]] = OrderedDict()

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from kvtier.buffers import align_up, alloc
+from kvtier.buffers import BufferPool, align_up
 from kvtier.codec import HEADER_BLOCK, MAX_PAYLOAD, ChunkObject, decode
 from kvtier.config import ConfigError, opt, size_field
 from kvtier.engine.executor import LOAD, PriorityExecutor
@@ -109,8 +109,9 @@ class ObjectDir:
         return self.objects / key.ns[:8].hex() / h[:2] / (h + SUFFIX)
 
     # ------------------------------------------------------------ read
-    def read(self, key: ChunkKey, o_direct: bool, cold: bool) -> tuple[ChunkObject, float]:
-        """Read and verify one object. Returns it with the file's mtime.
+    def read(self, key: ChunkKey, o_direct: bool, cold: bool, pool: BufferPool | None = None) -> tuple[ChunkObject, float]:
+        """Read and verify one object into a buffer from ``pool``. Returns it
+        with the file's mtime.
 
         Raises FileNotFoundError for a miss, CorruptObject for a bad object,
         OSError for I/O trouble.
@@ -132,18 +133,24 @@ class ObjectDir:
             st = os.fstat(fd)
             if st.st_size < HEADER_BLOCK or st.st_size > HEADER_BLOCK + MAX_PAYLOAD:
                 raise CorruptObject(f"object size {st.st_size} out of range")
-            buf = alloc(align_up(st.st_size))
+            pool = pool if pool is not None else BufferPool(0)
+            buf = pool.get(align_up(st.st_size))
             got = 0
-            while got < st.st_size:
-                n = os.preadv(fd, [buf[got:]], got)
-                if n <= 0:
-                    break
-                got += n
-            if cold and not direct:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            try:
+                while got < st.st_size:
+                    n = os.preadv(fd, [buf[got:]], got)
+                    if n <= 0:
+                        break
+                    got += n
+                if cold and not direct:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                obj = decode(buf, key, got, pool)
+            except BaseException:
+                pool.put(buf)
+                raise
         finally:
             os.close(fd)
-        return decode(buf, key, got), st.st_mtime
+        return obj, st.st_mtime
 
     # ------------------------------------------------------------ write
     def write(self, obj: ChunkObject, key: ChunkKey, fsync: bool) -> None:
@@ -323,15 +330,21 @@ class ReadStream:
             self._inflight -= est
             self._fill()
 
-    def stop(self) -> None:
+    def stop(self, consumed: int = 0) -> None:
+        """Stop submitting; cancel queued reads; release objects read but not
+        handed out (reads still running release theirs when they finish)."""
         with self._lock:
             self._stopped = True
-            futs = [f for f in self._futs if f is not None]
+            futs = [f for f in self._futs[consumed:] if f is not None]
         for f in futs:
-            f.cancel()
+            if not f.cancel():
+                f.add_done_callback(_release_result)
 
     def iter(self, timeout: float | None) -> Iterator[ChunkObject]:
+        """Yield objects in key order. Each yielded object is handed over with
+        its reference: the consumer releases it."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        handed = 0  # results [0, handed) belong to the consumer
         try:
             for i in range(len(self._keys)):
                 with self._lock:
@@ -351,6 +364,15 @@ class ReadStream:
                     return
                 if obj is None:
                     return
+                handed = i + 1
                 yield obj
         finally:
-            self.stop()
+            self.stop(consumed=handed)
+
+
+def _release_result(fut: Future) -> None:
+    if fut.cancelled() or fut.exception() is not None:
+        return
+    obj = fut.result()
+    if obj is not None:
+        obj.release()

@@ -30,8 +30,8 @@ _DEFAULT_BYTES_PER_TOKEN = 16 << 10
 class FileTier(Tier):
     Config = FileTierConfig
 
-    def __init__(self, config: FileTierConfig, metrics=None, breaker: CircuitBreaker | None = None):
-        super().__init__(config, metrics, breaker)
+    def __init__(self, config: FileTierConfig, metrics=None, breaker: CircuitBreaker | None = None, pool=None):
+        super().__init__(config, metrics, breaker, pool)
         self.dir = ObjectDir(config.path, f"{self.name}.path")
         self.executor = PriorityExecutor(self.name, config.io_threads)
         self._bytes_per_token = _DEFAULT_BYTES_PER_TOKEN
@@ -118,7 +118,7 @@ class FileTier(Tier):
     def _read_one(self, key: ChunkKey) -> ChunkObject | None:
         t0 = time.perf_counter()
         try:
-            obj, mtime = self.dir.read(key, self.config.o_direct, self.config.cold_reads)
+            obj, mtime = self.dir.read(key, self.config.o_direct, self.config.cold_reads, self.pool)
         except FileNotFoundError:
             self._forget(key)
             return None

@@ -1,7 +1,9 @@
 """Host DRAM tier: byte capacity, LRU, objects pinned while read.
 
 All state sits behind one lock, held only for bookkeeping, never across a
-copy. ``fetch`` pins the entries it yields; eviction skips pinned entries, and
+copy. The tier holds one reference to each object it keeps (``retain`` on
+insert, ``release`` on eviction), so evicted buffers return to the pool once
+no write-through job or reader still holds them. ``fetch`` pins the entries it yields; eviction skips pinned entries, and
 a store that cannot make room without evicting a pinned one is refused.
 """
 
@@ -41,8 +43,8 @@ class MemoryTier(Tier):
     Config = MemoryConfig
     persistent = False
 
-    def __init__(self, config: MemoryConfig, metrics=None, breaker=None):
-        super().__init__(config, metrics, breaker)
+    def __init__(self, config: MemoryConfig, metrics=None, breaker=None, pool=None):
+        super().__init__(config, metrics, breaker, pool)
         self.capacity = config.capacity
         self._lock = threading.Lock()
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
@@ -116,7 +118,7 @@ class MemoryTier(Tier):
             for digest in victims:
                 self._remove(digest)
                 evicted += 1
-            self._entries[obj.header.key] = _Entry(obj)
+            self._entries[obj.header.key] = _Entry(obj.retain())
             self._used += size
             used = self._used
         if evicted:
@@ -126,8 +128,10 @@ class MemoryTier(Tier):
         return True
 
     def _remove(self, digest: bytes) -> None:
+        # Caller holds the lock and has checked that the entry is not pinned.
         e = self._entries.pop(digest)
         self._used -= e.obj.nbytes
+        e.obj.release()
 
     def delete(self, keys: Sequence[ChunkKey]) -> int:
         n = 0
@@ -147,5 +151,5 @@ class MemoryTier(Tier):
 
     def close(self) -> None:
         with self._lock:
-            self._entries.clear()
-            self._used = 0
+            for digest in [d for d, e in self._entries.items() if e.pins == 0]:
+                self._remove(digest)

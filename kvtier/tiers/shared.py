@@ -72,8 +72,8 @@ class SharedTier(FileTier):
     kind = "shared"
     Config = SharedConfig
 
-    def __init__(self, config: SharedConfig, metrics=None, breaker=None):
-        super().__init__(config, metrics, breaker)
+    def __init__(self, config: SharedConfig, metrics=None, breaker=None, pool=None):
+        super().__init__(config, metrics, breaker, pool)
         self.capacity = config.capacity
         self._lock = threading.Lock()
         self._used_estimate = 0  # last scan + own writes since
@@ -201,6 +201,21 @@ class SharedTier(FileTier):
         return n
 
     # ------------------------------------------------------------ contract
+    def _delete_now(self, keys) -> int:
+        # This instance's own deletions are part of its view of usage.
+        n = freed = 0
+        for k in keys:
+            size = self.dir.unlink(k)
+            if size:
+                n += 1
+                freed += size
+        with self._lock:
+            self._used_estimate = max(0, self._used_estimate - freed)
+            self._objects_estimate = max(0, self._objects_estimate - n)
+            used = self._used_estimate
+        self.metrics.used(used)
+        return n
+
     def stats(self) -> TierStats:
         with self._lock:
             return TierStats(self.name, self.kind, self._objects_estimate, self._used_estimate, self.capacity)

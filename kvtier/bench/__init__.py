@@ -1,0 +1,1 @@
+"""Benchmarks: storage (``kvtier bench storage``) and, later, end to end."""

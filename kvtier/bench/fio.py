@@ -1,0 +1,48 @@
+"""Run Debian's ``fio`` to measure what the storage under a directory can do.
+
+This is the limit kvtier's own reads are compared with, in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+
+class FioMissing(RuntimeError):
+    pass
+
+
+def fio_seq_read(directory: Path, iodepth: int, size_bytes: int, block: str = "1M", direct: bool = True) -> float:
+    """Sequential read bandwidth in GB/s (10^9 bytes/s) of one fio job."""
+    exe = shutil.which("fio")
+    if exe is None:
+        raise FioMissing("fio is not installed: apt-get install fio (make demo/test install it)")
+    directory.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        exe,
+        "--name=kvtier-seqread",
+        f"--directory={directory}",
+        "--filename=kvtier-fio.dat",
+        "--rw=read",
+        f"--bs={block}",
+        f"--direct={1 if direct else 0}",
+        "--ioengine=libaio",
+        f"--iodepth={iodepth}",
+        f"--size={size_bytes}",
+        "--invalidate=1",
+        "--output-format=json",
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"fio failed ({out.returncode}): {out.stderr.strip()[:500]}")
+    # fio may print warnings before the JSON document.
+    doc = json.loads(out.stdout[out.stdout.index("{") :])
+    read = doc["jobs"][0]["read"]
+    return read["bw_bytes"] / 1e9
+
+
+def remove_fio_file(directory: Path) -> None:
+    (directory / "kvtier-fio.dat").unlink(missing_ok=True)

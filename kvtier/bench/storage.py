@@ -1,0 +1,288 @@
+"""``kvtier bench storage``: how close kvtier's reads get to the storage limit.
+
+In one run, on one directory:
+1. write ``size`` bytes of chunk objects shaped like a real model's KV
+   (sessions of ``session_chunks`` chunks, prefix-chained keys);
+2. fio sequential O_DIRECT reads at several queue depths: the device limit;
+3. kvtier cold loads (page cache dropped, O_DIRECT, parallel within a byte
+   window) at several window sizes, through ``TieredStore.load`` as an engine
+   would call it (lookup, verified reads, copy into caller buffers);
+4. kvtier memory-tier loads against a plain memcpy of the same bytes.
+
+Every figure is the median of ``repeats`` runs; ratios compare medians of the
+same run. Nothing is cached between runs of step 3 (the files are dropped
+from the page cache before each).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import statistics
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from kvtier.buffers import alloc, copy_into
+from kvtier.codec import ChunkObject, encode
+from kvtier.config import StoreConfig, TierSpec
+from kvtier.engine.store import TieredStore
+from kvtier.keys import ChunkKey, Namespace, chunk_keys
+from kvtier.bench.fio import fio_seq_read, remove_fio_file
+from kvtier.bench.models import ModelShape
+from kvtier.tiers.memory import MemoryConfig
+from kvtier.tiers.shared import SharedConfig, SharedTier
+from kvtier.version import __version__
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class StorageBenchConfig:
+    directory: Path
+    size_bytes: int = 2 * GiB
+    model: ModelShape = field(default_factory=lambda: ModelShape("qwen2.5-0.5b", 24, 2, 64))
+    chunk_tokens: int = 256
+    session_chunks: int = 32
+    windows: tuple[int, ...] = (16 * MiB, 64 * MiB, 128 * MiB)
+    fio_depths: tuple[int, ...] = (1, 8, 32)
+    repeats: int = 3
+    memory_bytes: int = 1 * GiB
+    io_threads: int = 32
+
+
+Progress = Callable[[str, int], Callable[[int], None]]
+
+
+def _no_progress(desc: str, total: int) -> Callable[[int], None]:
+    return lambda n: None
+
+
+def _sessions(cfg: StorageBenchConfig, ns: Namespace) -> list[list[ChunkKey]]:
+    chunk_bytes = cfg.model.bytes_per_token * cfg.chunk_tokens
+    n_chunks = max(1, math.ceil(cfg.size_bytes / chunk_bytes))
+    n_sessions = math.ceil(n_chunks / cfg.session_chunks)
+    nsd = ns.digest()
+    out = []
+    for s in range(n_sessions):
+        chunks = min(cfg.session_chunks, n_chunks - s * cfg.session_chunks)
+        tokens = [(s * 7919 + i * 31) % 150_000 for i in range(chunks * cfg.chunk_tokens)]
+        out.append(chunk_keys(ns, tokens, ns_digest=nsd))
+    return out
+
+
+def _populate(tier: SharedTier, sessions: list[list[ChunkKey]], cfg: StorageBenchConfig, progress: Progress) -> int:
+    """Write every chunk (skipping those already there). Returns object bytes."""
+    base = os.urandom(cfg.model.bytes_per_token * cfg.chunk_tokens)
+    shape = cfg.model.chunk_shape(cfg.chunk_tokens)
+    tick = progress("write chunks", sum(len(s) for s in sessions))
+    total = 0
+    pending = []
+    for s, keys in enumerate(sessions):
+        objs: list[ChunkObject] = []
+        for i, k in enumerate(keys):
+            payload = bytearray(base)
+            payload[:16] = s.to_bytes(8, "little") + i.to_bytes(8, "little")
+            objs.append(encode(k, cfg.model.dtype, shape, payload))
+            total += objs[-1].nbytes
+        pending.append((tier.store_async(objs), len(objs)))
+        while len(pending) > 2:  # bound memory: at most a few sessions in flight
+            f, n = pending.pop(0)
+            if f.result() != n:
+                raise RuntimeError(f"could not write benchmark data to {tier.dir.root} (disk full?)")
+            tick(n)
+    for f, n in pending:
+        if f.result() != n:
+            raise RuntimeError(f"could not write benchmark data to {tier.dir.root} (disk full?)")
+        tick(n)
+    return total
+
+
+def _shared_spec(path: Path, capacity: int, window: int, threads: int) -> TierSpec:
+    return TierSpec(
+        "shared",
+        SharedConfig(
+            path=str(path), capacity=capacity, name="shared", o_direct=True,
+            read_window_bytes=window, io_threads=threads, gc_interval_s=0,
+        ),
+    )
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def run(cfg: StorageBenchConfig, progress: Progress = _no_progress, log: Callable[[str], None] = print) -> dict:
+    root = Path(cfg.directory)
+    store_dir, fio_dir = root / "store", root / "fio"
+    ns = Namespace(
+        model=f"bench/{cfg.model.name}", model_fingerprint="storage-bench", kv_dtype=cfg.model.dtype,
+        layout="kvtier:LKHTD", num_layers=cfg.model.num_layers, num_kv_heads=cfg.model.num_kv_heads,
+        head_dim=cfg.model.head_dim, chunk_tokens=cfg.chunk_tokens,
+    )
+    sessions = _sessions(cfg, ns)
+    n_chunks = sum(len(s) for s in sessions)
+    capacity = 4 * cfg.size_bytes + GiB
+    result: dict = {
+        "kvtier_version": __version__,
+        "directory": str(root.resolve()),
+        "filesystem": _fs_type(root),
+        "host": {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()},
+        "model": asdict(cfg.model),
+        "chunk_tokens": cfg.chunk_tokens,
+        "chunk_bytes": cfg.model.bytes_per_token * cfg.chunk_tokens,
+        "chunks": n_chunks,
+        "sessions": len(sessions),
+        "repeats": cfg.repeats,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+    # 1. data
+    t_start = t0 = time.perf_counter()
+    writer_cfg = _shared_spec(store_dir, capacity, 64 * MiB, cfg.io_threads).config
+    with SharedTier(writer_cfg) as writer:
+        total_bytes = _populate(writer, sessions, cfg, progress)
+        writer.drop_cache()
+    result["data_bytes"] = total_bytes
+    result["write_seconds"] = time.perf_counter() - t0
+
+    # 2+3. fio and kvtier cold loads, interleaved repeat by repeat so that
+    # both see the same device conditions (shared and virtual disks drift).
+    fio_size = min(cfg.size_bytes, 2 * GiB)
+    bufs = [alloc(cfg.model.bytes_per_token * cfg.chunk_tokens) for _ in range(cfg.session_chunks)]
+    fio_runs: dict[int, list[float]] = {d: [] for d in cfg.fio_depths}
+    cold_runs: dict[int, list[float]] = {w: [] for w in cfg.windows}
+    per_load: dict[int, list[float]] = {w: [] for w in cfg.windows}
+    stores = {
+        w: TieredStore(StoreConfig(tiers=(_shared_spec(store_dir, capacity, w, cfg.io_threads),), promote=False))
+        for w in cfg.windows
+    }
+    tick = progress("fio + cold loads", cfg.repeats * (len(cfg.fio_depths) + len(cfg.windows) * len(sessions)))
+    try:
+        for _ in range(cfg.repeats):
+            for depth in cfg.fio_depths:
+                fio_runs[depth].append(fio_seq_read(fio_dir, depth, fio_size))
+                tick(1)
+            for window, store in stores.items():
+                store.tier("shared").drop_cache()
+                nbytes, t0 = 0, time.perf_counter()
+                for keys in sessions:
+                    s0 = time.perf_counter()
+                    n = store.load(keys, bufs[: len(keys)])
+                    per_load[window].append(time.perf_counter() - s0)
+                    if n != len(keys):
+                        raise RuntimeError(f"cold load served {n} of {len(keys)} chunks: storage trouble, see the log")
+                    nbytes += sum(bufs[i].nbytes for i in range(n))
+                    tick(1)
+                cold_runs[window].append(nbytes / (time.perf_counter() - t0) / 1e9)
+        direct = {w: s.tier("shared").dir.direct_ok for w, s in stores.items()}
+    finally:
+        remove_fio_file(fio_dir)
+        for st in stores.values():
+            st.close()
+    result["fio"] = {f"qd{d}": {"runs_gbps": r, "median_gbps": _median(r)} for d, r in fio_runs.items()}
+    result["fio_best_gbps"] = max(v["median_gbps"] for v in result["fio"].values())
+    cold = {
+        f"{w // MiB}MiB": {
+            "window_bytes": w,
+            "runs_gbps": cold_runs[w],
+            "median_gbps": _median(cold_runs[w]),
+            "session_load_p50_s": _median(per_load[w]),
+            "o_direct": direct[w],
+        }
+        for w in cfg.windows
+    }
+    result["cold"] = cold
+    best = max(cold, key=lambda w: cold[w]["median_gbps"])
+    result["cold_best_window"] = best
+    result["cold_load_gbps"] = cold[best]["median_gbps"]
+    result["cold_vs_fio"] = result["cold_load_gbps"] / result["fio_best_gbps"]
+
+    # 4. memory tier vs memcpy of the same bytes
+    result.update(_memory_bench(cfg, sessions, store_dir, capacity, bufs, progress))
+    result["memory_vs_memcpy"] = result["memory_load_gbps"] / result["memcpy_gbps"]
+    result["seconds"] = time.perf_counter() - t_start
+    return result
+
+
+def _memory_bench(cfg, sessions, store_dir, capacity, bufs, progress) -> dict:
+    budget = min(cfg.memory_bytes, cfg.size_bytes)
+    mem_spec = TierSpec("memory", MemoryConfig(capacity=budget + 64 * MiB))
+    store = TieredStore(StoreConfig(tiers=(mem_spec, _shared_spec(store_dir, capacity, 64 * MiB, cfg.io_threads)), promote=True))
+    try:
+        picked, used = [], 0
+        for keys in sessions:
+            size = sum(k.num_tokens for k in keys) * cfg.model.bytes_per_token
+            if used + size > budget:
+                break
+            if store.load(keys, bufs[: len(keys)]) != len(keys):  # promotes into memory
+                raise RuntimeError("could not read benchmark data back")
+            picked.append(keys)
+            used += size
+        mem = store.tier("memory")
+        if any(mem.lookup(k) != len(k) for k in picked):
+            raise RuntimeError("memory tier did not keep the benchmark data")
+        sources = [[o.payload for o in mem.fetch(k)] for k in picked]
+        mem_runs, cpy_runs = [], []
+        tick = progress("memory loads", cfg.repeats * 2)
+        for _ in range(max(cfg.repeats, 5)):
+            t0 = time.perf_counter()
+            for srcs in sources:
+                for src, dst in zip(srcs, bufs):
+                    copy_into(dst, src)
+            cpy_runs.append(used / (time.perf_counter() - t0) / 1e9)
+            t0 = time.perf_counter()
+            for keys in picked:
+                if store.load(keys, bufs[: len(keys)]) != len(keys):
+                    raise RuntimeError("memory tier lost data during the benchmark")
+            mem_runs.append(used / (time.perf_counter() - t0) / 1e9)
+            tick(2)
+    finally:
+        store.close()
+    return {
+        "memory_bench_bytes": used,
+        "memcpy_runs_gbps": cpy_runs,
+        "memory_runs_gbps": mem_runs,
+        "memcpy_gbps": _median(cpy_runs),
+        "memory_load_gbps": _median(mem_runs),
+    }
+
+
+def _fs_type(path: Path) -> str:
+    try:
+        out = subprocess.run(["stat", "-f", "-c", "%T", str(path)], capture_output=True, text=True, check=True)
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def format_table(r: dict) -> str:
+    fio_best = r["fio_best_gbps"]
+    lines = [
+        f"kvtier bench storage  {r['directory']} ({r['filesystem']})",
+        f"data: {r['data_bytes'] / GiB:.2f} GiB in {r['chunks']} chunks of {r['chunk_bytes'] / MiB:.2f} MiB "
+        f"({r['model']['name']}, {r['chunk_tokens']} tokens/chunk, {r['sessions']} sessions); "
+        f"medians of {r['repeats']} runs",
+        "",
+        f"{'measurement':<34}{'GB/s':>8}  {'ratio':>18}",
+        "-" * 62,
+    ]
+    for depth, v in r["fio"].items():
+        lines.append(f"{'fio seq read O_DIRECT 1MiB ' + depth:<34}{v['median_gbps']:>8.2f}  {v['median_gbps'] / fio_best:>12.2f} x fio")
+    for w, v in r["cold"].items():
+        mark = " *" if w == r["cold_best_window"] else ""
+        lines.append(f"{'kvtier cold load, window ' + w:<34}{v['median_gbps']:>8.2f}  {v['median_gbps'] / fio_best:>12.2f} x fio{mark}")
+    lines.append(f"{'memcpy (same bytes)':<34}{r['memcpy_gbps']:>8.2f}")
+    lines.append(
+        f"{'kvtier memory-tier load':<34}{r['memory_load_gbps']:>8.2f}  {r['memory_vs_memcpy']:>9.2f} x memcpy"
+    )
+    lines.append("")
+    lines.append(
+        f"cold load (best window {r['cold_best_window']}) = {r['cold_vs_fio']:.2f} x best fio; "
+        f"memory load = {r['memory_vs_memcpy']:.2f} x memcpy"
+    )
+    return "\n".join(lines)

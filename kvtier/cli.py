@@ -1,0 +1,288 @@
+"""The ``kvtier`` command.
+
+    kvtier bench storage --dir DIR [--size 2GiB] [--json PATH]
+    kvtier store ls|stat|verify|gc --dir DIR
+
+Exit codes: 0 ok, 1 a check failed (verify found bad objects), 2 bad usage or
+configuration (the message names the key and the fix).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from kvtier.config import parse_size
+from kvtier.errors import ConfigError
+from kvtier.version import __version__
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text, "size")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    return tuple(_size(t) for t in text.split(",") if t)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(t) for t in text.split(",") if t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _progress_factory(enabled: bool):
+    if not enabled:
+        return lambda desc, total: (lambda n: None)
+    from tqdm import tqdm
+
+    bars = []
+
+    def make(desc: str, total: int):
+        bar = tqdm(total=total, desc=desc, unit="", leave=False, file=sys.stderr, dynamic_ncols=True)
+        bars.append(bar)
+
+        def tick(n: int) -> None:
+            bar.update(n)
+            if bar.n >= bar.total:
+                bar.close()
+
+        return tick
+
+    return make
+
+
+# ---------------------------------------------------------------- bench storage
+
+
+def cmd_bench_storage(args: argparse.Namespace) -> int:
+    from kvtier.bench import storage
+    from kvtier.bench.models import PRESETS
+
+    if args.model not in PRESETS:
+        raise ConfigError("--model", f"unknown model preset {args.model!r}", f"use one of: {', '.join(PRESETS)}")
+    cfg = storage.StorageBenchConfig(
+        directory=Path(args.dir),
+        size_bytes=args.size,
+        model=PRESETS[args.model],
+        chunk_tokens=args.chunk_tokens,
+        session_chunks=args.session_chunks,
+        windows=args.windows,
+        fio_depths=args.fio_depths,
+        repeats=args.repeats,
+        memory_bytes=args.memory,
+        io_threads=args.io_threads,
+    )
+    result = storage.run(cfg, progress=_progress_factory(not args.no_progress))
+    print(storage.format_table(result))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+# ---------------------------------------------------------------- store admin
+
+
+def _open_shared(args: argparse.Namespace):
+    from kvtier.tiers.shared import SharedConfig, SharedTier
+
+    capacity = args.capacity if getattr(args, "capacity", None) else 1 << 62
+    cfg = SharedConfig(path=args.dir, capacity=capacity, gc_interval_s=0,
+                       high_watermark=getattr(args, "high_watermark", 0.95),
+                       low_watermark=getattr(args, "low_watermark", 0.85))
+    cfg.validate("")
+    return SharedTier(cfg)
+
+
+def cmd_store_ls(args: argparse.Namespace) -> int:
+    tier = _open_shared(args)
+    try:
+        n = 0
+        for e in tier.dir.scan():
+            ts = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.mtime))
+            print(f"{e.ns_hex}  {e.key_hex}  {e.size:>12}  {ts}")
+            n += 1
+            if args.limit and n >= args.limit:
+                break
+    finally:
+        tier.close()
+    return 0
+
+
+def cmd_store_stat(args: argparse.Namespace) -> int:
+    tier = _open_shared(args)
+    try:
+        per_ns: dict[str, list[int]] = {}
+        oldest, newest = None, None
+        for e in tier.dir.scan():
+            c = per_ns.setdefault(e.ns_hex, [0, 0])
+            c[0] += 1
+            c[1] += e.size
+            oldest = e.mtime if oldest is None else min(oldest, e.mtime)
+            newest = e.mtime if newest is None else max(newest, e.mtime)
+        tmp = sum(1 for _ in tier.dir.tmp.iterdir())
+        quarantined = sum(1 for _ in tier.dir.quarantine_dir.iterdir())
+        objects = sum(c[0] for c in per_ns.values())
+        nbytes = sum(c[1] for c in per_ns.values())
+        doc = {
+            "directory": str(Path(args.dir).resolve()),
+            "objects": objects,
+            "bytes": nbytes,
+            "namespaces": {k: {"objects": v[0], "bytes": v[1]} for k, v in sorted(per_ns.items())},
+            "temp_files": tmp,
+            "quarantined": quarantined,
+            "oldest_access": oldest,
+            "newest_access": newest,
+        }
+        if args.capacity:
+            doc["capacity"] = args.capacity
+            doc["used_fraction"] = nbytes / args.capacity
+    finally:
+        tier.close()
+    if args.json:
+        print(json.dumps(doc, indent=2))
+        return 0
+    print(f"directory    {doc['directory']}")
+    print(f"objects      {objects}")
+    print(f"bytes        {nbytes} ({nbytes / (1 << 30):.2f} GiB)")
+    if args.capacity:
+        print(f"capacity     {args.capacity} ({100 * doc['used_fraction']:.1f}% used)")
+    print(f"namespaces   {len(per_ns)}")
+    for k, v in sorted(per_ns.items()):
+        print(f"  {k}  {v[0]:>8} objects  {v[1] / (1 << 20):>10.1f} MiB")
+    print(f"temp files   {tmp}")
+    print(f"quarantined  {quarantined}")
+    return 0
+
+
+def cmd_store_verify(args: argparse.Namespace) -> int:
+    from kvtier.tiers.verify import verify_directory
+
+    tier = _open_shared(args)
+    try:
+        entries = list(tier.dir.scan())
+        tick = _progress_factory(not args.no_progress)("verify", len(entries))
+        report = verify_directory(tier, entries, quarantine=not args.no_quarantine, tick=tick)
+    finally:
+        tier.close()
+    print(f"verified {report.ok} objects; {len(report.bad)} bad" + (" (quarantined)" if report.bad and not args.no_quarantine else ""))
+    for path, why in report.bad[:50]:
+        print(f"  {path}: {why}")
+    return 0 if not report.bad else 1
+
+
+def cmd_store_gc(args: argparse.Namespace) -> int:
+    if not args.capacity:
+        raise ConfigError("--capacity", "is required for gc", "pass the shared tier's capacity, e.g. --capacity 10TiB")
+    tier = _open_shared(args)
+    try:
+        r = tier.gc(dry_run=args.dry_run)
+    finally:
+        tier.close()
+    if not r.ran:
+        print("another collector holds the lease; nothing done")
+        return 0
+    verb = "would delete" if args.dry_run else "deleted"
+    print(
+        f"scanned {r.objects} objects, {r.bytes_before / (1 << 30):.2f} GiB; {verb} {r.deleted}; "
+        f"now {r.bytes_after / (1 << 30):.2f} GiB of {args.capacity / (1 << 30):.2f} GiB; "
+        f"swept {r.tmp_swept} temp and {r.quarantine_swept} quarantined files in {r.seconds:.1f}s"
+    )
+    return 0
+
+
+# ---------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvtier",
+        description="kvtier: a tiered KV cache (host DRAM, local disk, shared storage) for LLM inference engines.",
+    )
+    p.add_argument("--version", action="version", version=f"kvtier {__version__}")
+    p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    bench = sub.add_parser("bench", help="measure storage and end-to-end performance")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    bs = bsub.add_parser(
+        "storage",
+        help="how close kvtier's reads get to the storage limit (fio) and to memcpy",
+        description=(
+            "Write SIZE bytes of chunk objects shaped like a model's KV into DIR, then measure in one run: "
+            "fio sequential O_DIRECT reads (queue depths --fio-depths), kvtier cold loads with the page cache "
+            "dropped at several read windows, and kvtier memory-tier loads against memcpy. Figures are medians "
+            "of --repeats runs. Needs Debian's fio."
+        ),
+    )
+    bs.add_argument("--dir", required=True, help="directory on the storage to measure (created; objects are kept for reruns)")
+    bs.add_argument("--size", type=_size, default=2 << 30, help="data volume, e.g. 2GiB (default)")
+    bs.add_argument("--model", default="qwen2.5-0.5b", help="KV shape preset (default qwen2.5-0.5b: 24 layers, 2 KV heads, head dim 64, bf16)")
+    bs.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk (default 256)")
+    bs.add_argument("--session-chunks", type=int, default=32, help="chunks per load call, i.e. one resumed session (default 32 = 8k tokens)")
+    bs.add_argument("--windows", type=_sizes, default=(16 << 20, 64 << 20, 128 << 20), help="read windows to try, comma-separated (default 16MiB,64MiB,128MiB)")
+    bs.add_argument("--fio-depths", type=_ints, default=(1, 8, 32), help="fio queue depths (default 1,8,32)")
+    bs.add_argument("--repeats", type=int, default=3, help="runs per measurement; medians are reported (default 3)")
+    bs.add_argument("--memory", type=_size, default=1 << 30, help="bytes used for the memory-tier comparison (default 1GiB)")
+    bs.add_argument("--io-threads", type=int, default=32, help="I/O threads of the tier (default 32)")
+    bs.add_argument("--json", help="also write the figures to this JSON file")
+    bs.add_argument("--no-progress", action="store_true", help="no progress bars")
+    bs.set_defaults(func=cmd_bench_storage)
+
+    store = sub.add_parser("store", help="inspect and maintain a shared (or disk) tier directory")
+    ssub = store.add_subparsers(dest="store", required=True)
+
+    def common(sp):
+        sp.add_argument("--dir", required=True, help="the tier's directory (as in its config: path)")
+        return sp
+
+    ls = common(ssub.add_parser("ls", help="list objects: namespace, key, bytes, last access"))
+    ls.add_argument("--limit", type=int, default=0, help="stop after N objects")
+    ls.set_defaults(func=cmd_store_ls)
+    st = common(ssub.add_parser("stat", help="objects, bytes and namespaces held; temp and quarantined files"))
+    st.add_argument("--capacity", type=_size, help="show usage against this capacity")
+    st.add_argument("--json", action="store_true", help="print JSON")
+    st.set_defaults(func=cmd_store_stat)
+    vf = common(ssub.add_parser("verify", help="read every object and check its header and checksum"))
+    vf.add_argument("--no-quarantine", action="store_true", help="report bad objects but leave them in place")
+    vf.add_argument("--no-progress", action="store_true", help="no progress bar")
+    vf.set_defaults(func=cmd_store_verify)
+    gc = common(ssub.add_parser(
+        "gc",
+        help="delete least recently used objects down to the low watermark",
+        description="One collection pass: if usage exceeds HIGH x CAPACITY, delete the least recently used objects "
+        "until usage is under LOW x CAPACITY; sweep dead writers' temp files. Safe to run from any instance at any time.",
+    ))
+    gc.add_argument("--capacity", type=_size, help="the tier's capacity, e.g. 10TiB (required)")
+    gc.add_argument("--high-watermark", type=float, default=0.95, help="start collecting above this fraction (default 0.95)")
+    gc.add_argument("--low-watermark", type=float, default=0.85, help="collect down to this fraction (default 0.85)")
+    gc.add_argument("--dry-run", action="store_true", help="report what would be deleted")
+    gc.set_defaults(func=cmd_store_gc)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        print(f"kvtier: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
