@@ -20,7 +20,6 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -130,7 +129,6 @@ def run(cfg: StorageBenchConfig, progress: Progress = _no_progress, log: Callabl
     result: dict = {
         "kvtier_version": __version__,
         "directory": str(root.resolve()),
-        "filesystem": _fs_type(root),
         "host": {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()},
         "model": asdict(cfg.model),
         "chunk_tokens": cfg.chunk_tokens,
@@ -148,6 +146,7 @@ def run(cfg: StorageBenchConfig, progress: Progress = _no_progress, log: Callabl
         total_bytes = _populate(writer, sessions, cfg, progress)
         writer.drop_cache()
     result["data_bytes"] = total_bytes
+    result["filesystem"] = _fs_type(store_dir)
     result["write_seconds"] = time.perf_counter() - t0
 
     # 2+3. fio and kvtier cold loads, interleaved repeat by repeat so that
@@ -253,11 +252,18 @@ def _memory_bench(cfg, sessions, store_dir, capacity, bufs, progress) -> dict:
 
 
 def _fs_type(path: Path) -> str:
+    """File system type and device of the mount holding ``path`` (/proc/mounts)."""
+    target = os.path.realpath(path)
+    best = ("", "unknown", "")
     try:
-        out = subprocess.run(["stat", "-f", "-c", "%T", str(path)], capture_output=True, text=True, check=True)
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        with open("/proc/mounts") as f:
+            for line in f:
+                dev, mnt, fstype = line.split()[:3]
+                if (target == mnt or target.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best[0]):
+                    best = (mnt, fstype, dev)
+    except OSError:
+        pass
+    return f"{best[1]} on {best[2]}" if best[2] else best[1]
 
 
 def format_table(r: dict) -> str:

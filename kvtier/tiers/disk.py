@@ -36,7 +36,6 @@ _REC = struct.Struct("<32s8sd")
 @dataclass(frozen=True)
 class DiskConfig(FileTierConfig):
     name: str = opt("disk", "tier name in metrics and logs")
-    tmp_max_age_s: float = opt(3600.0, "temp files older than this are swept at start")
 
 
 class DiskTier(FileTier):

@@ -105,6 +105,9 @@ class FileTier(Tier):
         try:
             for obj in stream.iter(timeout):
                 served += 1
+                # Counted here, not when read: reads ahead of a miss or of an
+                # abandoned fetch complete too, but nobody was served by them.
+                self.metrics.hit(1, obj.header.num_tokens, obj.nbytes)
                 yield obj
         finally:
             if stream.failed is not None:
@@ -130,7 +133,6 @@ class FileTier(Tier):
             return None
         h = obj.header
         self._bytes_per_token = max(1, obj.nbytes // max(1, h.num_tokens))
-        self.metrics.hit(1, h.num_tokens, obj.nbytes)
         self.metrics.observe("read", time.perf_counter() - t0)
         self._touched(key, mtime)
         return obj
