@@ -78,6 +78,7 @@ class TieredStore:
         self._by_name = {t.name: t for t in self.tiers}
         self.memory: Tier | None = next((t for t in self.tiers if not t.persistent), None)
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified as write-through jobs finish
         self._pending: set[Future] = set()
         self._pending_bytes = 0
         self._prefetcher = PriorityExecutor("prefetch", 2)
@@ -221,23 +222,24 @@ class TieredStore:
     def _written(self, fut: Future, nbytes: int, tier: Tier, batch: list[ChunkObject]) -> None:
         for o in batch:
             o.release()
-        with self._lock:
-            self._pending.discard(fut)
-            self._pending_bytes -= nbytes
         if not fut.cancelled() and fut.exception() is not None:
             log.error("tier %s: write-through failed: %s", tier.name, fut.exception())
             tier.metrics.error("store")
+        # Last: once a job leaves _pending, flush() may return, so its
+        # accounting (room in the backlog, error counts) must be done.
+        with self._idle:
+            self._pending.discard(fut)
+            self._pending_bytes -= nbytes
+            self._idle.notify_all()
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait for the write-through backlog; True if it drained in time."""
-        with self._lock:
-            pending = list(self._pending)
-        for f in pending:
-            try:
-                f.result(timeout)
-            except Exception:
-                return False
-        return True
+        """Wait until every write-through job has finished and been accounted
+        for (failures are counted, not raised); True if it drained in time.
+
+        Waiting on the futures is not enough: a future's waiters wake before
+        its done callback (``_written``) has run."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._pending, timeout)
 
     # ------------------------------------------------------------ admin
     def stats(self) -> list[TierStats]:

@@ -168,7 +168,10 @@ class ObjectDir:
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            final.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            # parents=True creates the missing levels with default permissions:
+            # make the namespace folder and the fan-out folder 0700 explicitly.
+            final.parent.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            final.parent.mkdir(mode=0o700, exist_ok=True)
             os.rename(tmp, final)
         except BaseException:
             _unlink(tmp)

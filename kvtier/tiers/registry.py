@@ -46,6 +46,8 @@ def config_class(kind: str, key: str = "kind") -> type:
 
 def normalise_url_values(values: dict[str, Any], key: str) -> dict[str, Any]:
     kind = _ALIASES.get(values["kind"], values["kind"])
+    if kind not in _KINDS:  # say so, rather than that the location is not taken
+        resolve(kind, f"{key}.kind")
     values["kind"] = kind
     location = values.pop("location", None)
     if location is not None:

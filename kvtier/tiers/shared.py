@@ -187,7 +187,13 @@ class SharedTier(FileTier):
             same_host_dead = info.get("host") == _HOST and not _pid_alive(int(info["pid"]))
             return same_host_dead or age > self.config.lease_s
         except (OSError, ValueError, KeyError, TypeError):
-            return True  # unreadable lease: treat as abandoned
+            # Unreadable: abandoned, or created a moment ago by a collector
+            # that has not written it yet (creation and write are two steps).
+            # Only the file's age tells them apart.
+            try:
+                return time.time() - lease.stat().st_mtime > self.config.lease_s
+            except OSError:
+                return True
 
     def _sweep_quarantine(self, max_age_s: float = 86400.0) -> int:
         now, n = time.time(), 0

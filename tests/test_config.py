@@ -1,0 +1,271 @@
+"""Configuration: every mistake is a ConfigError naming its key and the fix;
+file < environment < overrides; YAML, TOML and JSON read alike."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from kvtier.config import ConfigError, load_config, parse_size, parse_store_config
+from kvtier.engine.store import TieredStore
+from kvtier.tiers.disk import DiskConfig, DiskTier
+from kvtier.tiers.memory import MemoryConfig
+from kvtier.tiers.shared import SharedConfig, SharedTier
+
+GiB, MiB = 1 << 30, 1 << 20
+MEM = {"kind": "memory", "capacity": "1GiB"}
+
+
+def _error(values) -> ConfigError:
+    with pytest.raises(ConfigError) as exc:
+        parse_store_config(values)
+    return exc.value
+
+
+def _assert_names(err: ConfigError, key: str) -> None:
+    assert err.key == key
+    msg = str(err)
+    assert f"'{key}'" in msg and "Fix:" in msg
+    assert msg.split("Fix:", 1)[1].strip()  # the fix says something
+
+
+BAD = {
+    "unknown tier kind": ({"tiers": [{"kind": "floppy", "capacity": "1GiB"}]}, "tiers[0].kind"),
+    "unknown tier kind in a URL": ({"tiers": ["floppy:///x?capacity=1GiB"]}, "tiers[0].kind"),
+    "missing tier kind": ({"tiers": [{"capacity": "1GiB"}]}, "tiers[0].kind"),
+    "unknown tier key": ({"tiers": [dict(MEM, colour="red")]}, "tiers[0].colour"),
+    "unknown tier key in a URL": ({"tiers": ["memory://?capacity=1GiB&colour=red"]}, "tiers[0].colour"),
+    "unknown store key": ({"tiers": [MEM], "chunk_size": 16}, "chunk_size"),
+    "bad size string": ({"tiers": [{"kind": "memory", "capacity": "12 parsecs"}]}, "tiers[0].capacity"),
+    "negative size": ({"tiers": [{"kind": "memory", "capacity": -5}]}, "tiers[0].capacity"),
+    "boolean size": ({"tiers": [{"kind": "memory", "capacity": True}]}, "tiers[0].capacity"),
+    "bad store size": ({"tiers": [MEM], "save_queue_bytes": "lots"}, "save_queue_bytes"),
+    "memory without capacity": ({"tiers": [{"kind": "memory"}]}, "tiers[0].capacity"),
+    "disk without path": ({"tiers": [{"kind": "disk", "capacity": "1GiB"}]}, "tiers[0].path"),
+    "disk without capacity": ({"tiers": [{"kind": "disk", "path": "/x"}]}, "tiers[0].capacity"),
+    "zero io threads": ({"tiers": [{"kind": "disk", "path": "/x", "capacity": "1GiB", "io_threads": 0}]},
+                        "tiers[0].io_threads"),
+    "low above high watermark": (
+        {"tiers": [{"kind": "shared", "path": "/x", "capacity": "1GiB", "low_watermark": 0.9, "high_watermark": 0.5}]},
+        "tiers[0].low_watermark"),
+    "high watermark above 1": (
+        {"tiers": [{"kind": "shared", "path": "/x", "capacity": "1GiB", "high_watermark": 1.5}]},
+        "tiers[0].low_watermark"),
+    "zero low watermark": (
+        {"tiers": [{"kind": "shared", "path": "/x", "capacity": "1GiB", "low_watermark": 0}]},
+        "tiers[0].low_watermark"),
+    "watermark not a number": (
+        {"tiers": [{"kind": "shared", "path": "/x", "capacity": "1GiB", "high_watermark": "high"}]},
+        "tiers[0].high_watermark"),
+    "no tiers": ({"tiers": []}, "tiers"),
+    "duplicate tier names": ({"tiers": [MEM, MEM]}, "tiers"),
+    "chunk tokens zero": ({"tiers": [MEM], "chunk_tokens": 0}, "chunk_tokens"),
+    "chunk tokens not an int": ({"tiers": [MEM], "chunk_tokens": "many"}, "chunk_tokens"),
+    "bad boolean": ({"tiers": [MEM], "promote": "maybe"}, "promote"),
+    "zero load timeout": ({"tiers": [MEM], "load_timeout_s": 0}, "load_timeout_s"),
+    "not a tier URL": ({"tiers": ["memory"]}, "tiers[0]"),
+    "URL option without value": ({"tiers": ["memory://?capacity"]}, "tiers[0]"),
+    "memory takes no location": ({"tiers": ["memory:///somewhere?capacity=1GiB"]}, "tiers[0]"),
+    "tier of the wrong type": ({"tiers": [42]}, "tiers[0]"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_values_name_the_key_and_the_fix(name):
+    values, key = BAD[name]
+    _assert_names(_error(values), key)
+
+
+def test_unknown_kind_lists_the_known_kinds():
+    msg = str(_error(BAD["unknown tier kind"][0]))
+    assert all(kind in msg for kind in ("memory", "disk", "shared"))
+
+
+def test_unknown_key_lists_the_known_keys():
+    assert "capacity" in str(_error(BAD["unknown tier key"][0]))
+    assert "chunk_tokens" in str(_error(BAD["unknown store key"][0]))
+
+
+def test_config_error_is_a_value_error():
+    assert isinstance(_error(BAD["no tiers"][0]), ValueError)
+
+
+@pytest.mark.parametrize("tier_cls,cfg_cls", [(DiskTier, DiskConfig), (SharedTier, SharedConfig)])
+def test_an_unusable_directory_names_the_path_key(tmp_path, tier_cls, cfg_cls):
+    # Tests run as root, so permissions do not stop them: a path below a
+    # regular file can never be a directory.
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError) as exc:
+        tier_cls(cfg_cls(path=str(blocker / "sub"), capacity=GiB))
+    assert exc.value.key == f"{cfg_cls().name}.path"
+    assert "Fix:" in str(exc.value) and str(blocker / "sub") in str(exc.value)
+
+
+def test_an_unusable_directory_fails_the_store_at_start(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    cfg = parse_store_config({"tiers": [MEM, {"kind": "disk", "path": str(blocker / "sub"), "capacity": "1GiB"}]})
+    with pytest.raises(ConfigError) as exc:
+        TieredStore(cfg)
+    assert "path" in exc.value.key and "Fix:" in str(exc.value)
+
+
+def test_capacity_smaller_than_one_chunk(tmp_path):
+    cfg = parse_store_config({"tiers": [
+        {"kind": "memory", "capacity": "1MiB"},
+        {"kind": "disk", "path": str(tmp_path / "d"), "capacity": "64KiB"},
+    ]})
+    with pytest.raises(ConfigError) as exc:
+        TieredStore(cfg, chunk_bytes=128 << 10)
+    _assert_names(exc.value, "tiers[1].capacity")
+    DiskTier(DiskConfig(path=str(tmp_path / "d"), capacity=GiB)).close()  # nothing left holding it
+    TieredStore(cfg, chunk_bytes=64 << 10).close()  # exactly one chunk fits: allowed
+
+
+# ---------------------------------------------------------------- sizes
+
+
+@pytest.mark.parametrize(
+    "text,expect",
+    [(4096, 4096), ("4096", 4096), ("1k", 1024), ("1KiB", 1024), ("1.5KiB", 1536), ("512MiB", 512 * MiB),
+     ("8G", 8 * GiB), ("8 GiB", 8 * GiB), ("10GB", 10 * 10**9), ("1MB", 10**6), ("2TiB", 2 << 40),
+     ("1tb", 10**12), (" 3 m ", 3 * MiB), (0, 0)],
+)
+def test_sizes(text, expect):
+    assert parse_size(text, "k") == expect
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "1.2.3G", "1XB", "-1G", "ten", None, False])
+def test_bad_sizes(text):
+    with pytest.raises(ConfigError) as exc:
+        parse_size(text, "some.key")
+    assert exc.value.key == "some.key" and "Fix:" in str(exc.value)
+
+
+# ---------------------------------------------------------------- tiers and types
+
+
+def test_tier_urls_and_mappings_are_equivalent():
+    a = parse_store_config({"tiers": ["disk:///nvme/kv?capacity=500GiB&io_threads=8&o_direct=false"]})
+    b = parse_store_config({"tiers": [{"kind": "disk", "path": "/nvme/kv", "capacity": "500GiB", "io-threads": 8,
+                                       "o_direct": False}]})
+    assert a == b
+    (spec,) = a.tiers
+    assert spec.kind == "disk"
+    assert spec.config == DiskConfig(path="/nvme/kv", capacity=500 * GiB, io_threads=8, o_direct=False)
+
+
+def test_file_and_dir_are_aliases_of_shared():
+    cfg = parse_store_config({"tiers": ["file:///mnt/kv?capacity=1TiB"]})
+    assert cfg.tiers[0].kind == "shared"
+    assert cfg.tiers[0].config == SharedConfig(path="/mnt/kv", capacity=1 << 40)
+
+
+def test_config_is_typed_and_frozen():
+    cfg = parse_store_config({"tiers": [MEM], "chunk_tokens": "128", "promote": "off", "load_timeout_s": "2.5"})
+    assert (cfg.chunk_tokens, cfg.promote, cfg.load_timeout_s) == (128, False, 2.5)
+    assert cfg.tiers[0].config == MemoryConfig(capacity=GiB)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.chunk_tokens = 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.tiers[0].config.capacity = 1
+
+
+def test_one_tier_may_be_given_without_a_list():
+    assert parse_store_config({"tiers": "memory://?capacity=1GiB"}).tiers[0].config.capacity == GiB
+
+
+# ---------------------------------------------------------------- files and precedence
+
+FILE_VALUES = {"chunk_tokens": 64, "save_queue_bytes": "1MiB", "promote": False,
+               "tiers": [{"kind": "memory", "capacity": "1GiB"}, {"kind": "shared", "path": "/mnt/kv", "capacity": "2GiB",
+                                                                  "high_watermark": 0.9, "low_watermark": 0.8}]}
+YAML = """\
+chunk_tokens: 64
+save_queue_bytes: 1MiB
+promote: false
+tiers:
+  - {kind: memory, capacity: 1GiB}
+  - kind: shared
+    path: /mnt/kv
+    capacity: 2GiB
+    high_watermark: 0.9
+    low_watermark: 0.8
+"""
+TOML = """\
+chunk_tokens = 64
+save_queue_bytes = "1MiB"
+promote = false
+
+[[tiers]]
+kind = "memory"
+capacity = "1GiB"
+
+[[tiers]]
+kind = "shared"
+path = "/mnt/kv"
+capacity = "2GiB"
+high_watermark = 0.9
+low_watermark = 0.8
+"""
+
+
+@pytest.fixture(params=["yaml", "yml", "toml", "json"])
+def config_file(request, tmp_path):
+    text = {"yaml": YAML, "yml": YAML, "toml": TOML, "json": json.dumps(FILE_VALUES)}[request.param]
+    path = tmp_path / f"kvtier.{request.param}"
+    path.write_text(text)
+    return path
+
+
+def test_yaml_toml_and_json_files_read_alike(config_file):
+    cfg = load_config(config_file, environ={})
+    assert cfg == parse_store_config(FILE_VALUES)
+    assert cfg.chunk_tokens == 64 and cfg.save_queue_bytes == MiB and cfg.promote is False
+    assert cfg.tiers[1].config.capacity == 2 * GiB and cfg.tiers[1].config.low_watermark == 0.8
+
+
+def test_precedence_is_file_then_environment_then_overrides(config_file, monkeypatch):
+    env = {"KVTIER_CHUNK_TOKENS": "128", "KVTIER_TIERS": "memory://?capacity=3GiB,disk:///nvme/kv?capacity=4GiB"}
+    monkeypatch.setenv("KVTIER_CHUNK_TOKENS", "999")  # ignored: environ is given explicitly
+
+    assert load_config(config_file, environ={}).chunk_tokens == 64
+    cfg = load_config(config_file, environ=env)
+    assert cfg.chunk_tokens == 128
+    assert [t.kind for t in cfg.tiers] == ["memory", "disk"]  # the environment's tiers replace the file's
+    assert cfg.tiers[0].config.capacity == 3 * GiB
+    assert cfg.save_queue_bytes == MiB  # not in the environment: the file's value stands
+    cfg = load_config(config_file, overrides={"chunk_tokens": 512, "promote": True}, environ=env)
+    assert (cfg.chunk_tokens, cfg.promote) == (512, True)
+
+
+def test_the_config_file_may_come_from_the_environment(config_file):
+    cfg = load_config(environ={"KVTIER_CONFIG": str(config_file), "KVTIER_PROMOTE": "yes"})
+    assert cfg.chunk_tokens == 64 and cfg.promote is True
+
+
+def test_environment_values_are_checked_like_any_other():
+    with pytest.raises(ConfigError) as exc:
+        load_config(environ={"KVTIER_TIERS": "memory://?capacity=1GiB", "KVTIER_SAVE_QUEUE_BYTES": "a lot"})
+    _assert_names(exc.value, "save_queue_bytes")
+
+
+@pytest.mark.parametrize(
+    "name,text",
+    [("bad.yaml", "tiers: [unclosed"), ("bad.toml", "tiers = [[["), ("bad.json", "{nope"), ("list.json", "[1, 2]")],
+)
+def test_unreadable_config_files_name_the_file(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigError) as exc:
+        load_config(path, environ={})
+    assert exc.value.key == "config" and name in str(exc.value) and "Fix:" in str(exc.value)
+
+
+def test_a_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError) as exc:
+        load_config(tmp_path / "absent.yaml", environ={})
+    assert exc.value.key == "config" and "absent.yaml" in str(exc.value)

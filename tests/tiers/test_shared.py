@@ -1,0 +1,446 @@
+"""Shared tier specifics: verification and quarantine, watermark collection,
+check-before-write, access stamps, and many processes on one directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+
+from kvtier.codec import HEADER_BLOCK
+from kvtier.metrics import Metrics
+from kvtier.tiers.files import _HOST, ObjectDir
+from kvtier.tiers.shared import SharedTier
+from tests.support import OBJ, assert_object, make_chunks, shared_config
+from tests.tiers import shared_worker
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = Path(shared_worker.__file__)
+
+
+@pytest.fixture
+def open_shared(tmp_path):
+    opened = []
+
+    def open_(capacity=64 * OBJ, metrics=None, **kw):
+        t = SharedTier(shared_config(tmp_path / "shared", capacity, **kw), metrics)
+        opened.append(t)
+        return t
+
+    yield open_
+    for t in opened:
+        t.close()
+
+
+def _read(tier, keys) -> int:
+    n = 0
+    for obj in tier.fetch(keys):
+        assert_object(obj, keys[n])
+        n += 1
+    return n
+
+
+def _present(tier, keys):
+    return [i for i, k in enumerate(keys) if tier.lookup([k])]
+
+
+# ---------------------------------------------------------------- verification
+
+
+def _flip_payload(p: Path) -> None:
+    with open(p, "r+b") as f:
+        f.seek(HEADER_BLOCK + 100)
+        b = f.read(1)
+        f.seek(HEADER_BLOCK + 100)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def _flip_header(p: Path) -> None:
+    with open(p, "r+b") as f:
+        f.seek(20)
+        b = f.read(1)
+        f.seek(20)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+def _truncate(p: Path) -> None:
+    os.truncate(p, HEADER_BLOCK + 100)
+
+
+def _zero_length(p: Path) -> None:
+    os.truncate(p, 0)
+
+
+def _wrong_version(p: Path) -> None:
+    b = bytearray(p.read_bytes())
+    struct.pack_into("<H", b, 8, 99)
+    struct.pack_into("<I", b, 212, zlib.crc32(bytes(b[:212])))
+    p.write_bytes(bytes(b))
+
+
+CORRUPTIONS = {
+    "flipped-payload-byte": _flip_payload,
+    "flipped-header-byte": _flip_header,
+    "truncated": _truncate,
+    "zero-length": _zero_length,
+    "wrong-version": _wrong_version,
+}
+
+
+@pytest.mark.parametrize("corrupt", sorted(CORRUPTIONS))
+def test_a_corrupt_object_is_a_miss_counted_and_quarantined(open_shared, corrupt):
+    metrics = Metrics()
+    tier = open_shared(metrics=metrics)
+    c = make_chunks(3)
+    tier.store(c.objs)
+    path = tier.dir.path(c.keys[1])
+    original = path.read_bytes()
+    CORRUPTIONS[corrupt](path)
+
+    assert _read(tier, c.keys) == 1  # the prefix ends at the bad object
+    assert metrics.value("kvtier_integrity_failures_total", tier=tier.name) == 1
+    assert not path.exists()
+    quarantined = os.listdir(tier.dir.quarantine_dir)
+    assert len(quarantined) == 1 and quarantined[0].startswith(c.keys[1].hex + ".")
+    assert (tier.dir.quarantine_dir / quarantined[0]).read_bytes() != original
+    assert tier.lookup(c.keys) == 1
+    assert _read(tier, c.keys) == 1  # no second report: it is gone
+    assert metrics.value("kvtier_integrity_failures_total", tier=tier.name) == 1
+
+    tier.store(c.objs)  # a recompute stores it again, whole
+    assert _read(tier, c.keys) == 3
+
+
+def test_an_object_under_another_keys_name_is_refused(open_shared):
+    metrics = Metrics()
+    tier = open_shared(metrics=metrics)
+    c = make_chunks(2)
+    tier.store(c.objs[:1])
+    dst = tier.dir.path(c.keys[1])
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.write_bytes(tier.dir.path(c.keys[0]).read_bytes())
+    assert _read(tier, c.keys[1:]) == 0
+    assert metrics.value("kvtier_integrity_failures_total", tier=tier.name) == 1
+
+
+# ---------------------------------------------------------------- collection
+
+
+def _stamp(tier, keys, ages):
+    now = time.time()
+    for k, age in zip(keys, ages):
+        os.utime(tier.dir.path(k), (now - age, now - age))
+
+
+def test_gc_deletes_the_least_recently_stamped_until_under_low_watermark(open_shared):
+    metrics = Metrics()
+    tier = open_shared(10 * OBJ, metrics, high_watermark=0.5, low_watermark=0.3)
+    c = make_chunks(8)
+    tier.store(c.objs)
+    ages = [50, 10, 80, 20, 70, 30, 60, 40]  # newest: 1, 3, 5
+    _stamp(tier, c.keys, ages)
+    r = tier.gc()
+    assert r.ran and (r.objects, r.bytes_before, r.deleted, r.bytes_after) == (8, 8 * OBJ, 5, 3 * OBJ)
+    assert _present(tier, c.keys) == [1, 3, 5]
+    assert tier.stats().used_bytes == 3 * OBJ and tier.stats().objects == 3
+    assert metrics.value("kvtier_evicted_chunks_total", tier=tier.name) == 5
+    assert metrics.value("kvtier_used_bytes", tier=tier.name) == 3 * OBJ
+
+
+def test_gc_below_the_high_watermark_deletes_nothing(open_shared):
+    tier = open_shared(10 * OBJ, high_watermark=0.5, low_watermark=0.3)
+    c = make_chunks(5)
+    tier.store(c.objs)  # exactly at the high watermark: not above it
+    r = tier.gc()
+    assert r.ran and r.deleted == 0 and r.bytes_after == 5 * OBJ
+    assert tier.lookup(c.keys) == 5
+
+
+def test_gc_dry_run_reports_and_deletes_nothing(open_shared):
+    tier = open_shared(10 * OBJ, high_watermark=0.5, low_watermark=0.3)
+    c = make_chunks(8)
+    tier.store(c.objs)
+    r = tier.gc(dry_run=True)
+    assert r.deleted == 5 and r.bytes_after == 3 * OBJ
+    assert tier.lookup(c.keys) == 8
+
+
+def test_gc_sees_objects_written_by_other_instances(open_shared, tmp_path):
+    a = open_shared(10 * OBJ, high_watermark=0.5, low_watermark=0.3)
+    b = open_shared(10 * OBJ, high_watermark=0.5, low_watermark=0.3)
+    c = make_chunks(8)
+    b.store(c.objs)
+    assert a.stats().used_bytes == 0  # a has not scanned yet
+    assert a.gc().deleted == 5
+    assert a.stats().used_bytes == 3 * OBJ
+
+
+def test_a_collector_holding_the_lease_keeps_others_out(open_shared):
+    a = open_shared(10 * OBJ, high_watermark=0.5, low_watermark=0.3)
+    b = open_shared(10 * OBJ, high_watermark=0.5, low_watermark=0.3)
+    c = make_chunks(8)
+    a.store(c.objs)
+    _stamp(a, c.keys, [50, 10, 80, 20, 70, 30, 60, 40])
+    inside, release = threading.Event(), threading.Event()
+
+    def progress(_n):
+        inside.set()
+        assert release.wait(10)
+
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("a", a.gc(progress=progress)))
+    t.start()
+    assert inside.wait(10)
+    rb = b.gc()  # a is mid-pass
+    release.set()
+    t.join(10)
+    assert not rb.ran and rb.deleted == 0
+    assert result["a"].ran and result["a"].deleted == 5
+    assert _present(a, c.keys) == [1, 3, 5]
+    assert not (a.dir.base / "gc.lease").exists()
+    assert b.gc().ran  # the lease was released
+
+
+def test_concurrent_collectors_never_delete_more_than_needed(open_shared):
+    tiers = [open_shared(40 * OBJ, high_watermark=0.5, low_watermark=0.25) for _ in range(3)]
+    c = make_chunks(60)
+    rng = random.Random(7)
+    for _ in range(5):
+        tiers[0].store(c.objs)
+        ages = list(range(10, 10 + 60))
+        rng.shuffle(ages)
+        _stamp(tiers[0], c.keys, ages)
+        newest = sorted(range(60), key=lambda i: ages[i])[:10]
+        start = threading.Barrier(len(tiers))
+        results, errors = [], []
+
+        def run(t):
+            try:
+                start.wait(5)
+                results.append(t.gc())
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(t,)) for t in tiers]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(30)
+        assert not errors
+        assert sum(r.deleted for r in results) == 50
+        assert _present(tiers[0], c.keys) == sorted(newest)
+
+
+def test_a_dead_collectors_lease_is_taken_over(open_shared):
+    tier = open_shared(10 * OBJ, high_watermark=0.5, low_watermark=0.3)
+    tier.store(make_chunks(8).objs)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    lease = tier.dir.base / "gc.lease"
+    lease.write_text(json.dumps({"host": _HOST, "pid": dead.pid, "time": time.time()}))
+    assert tier.gc().ran
+
+
+def test_a_live_collectors_lease_is_respected_until_it_expires(open_shared):
+    tier = open_shared(10 * OBJ, high_watermark=0.5, low_watermark=0.3, lease_s=600)
+    tier.store(make_chunks(8).objs)
+    lease = tier.dir.base / "gc.lease"
+    lease.write_text(json.dumps({"host": "otherhost", "pid": 1, "time": time.time()}))
+    assert not tier.gc().ran
+    assert lease.exists()
+    lease.write_text(json.dumps({"host": "otherhost", "pid": 1, "time": time.time() - 601}))
+    assert tier.gc().ran
+
+
+def test_a_lease_being_written_is_not_mistaken_for_an_abandoned_one(open_shared):
+    # A collector creates the lease (O_EXCL) and writes it in a second step;
+    # in between, others read an empty file. Only an old one is abandoned.
+    tier = open_shared(10 * OBJ, high_watermark=0.5, low_watermark=0.3, lease_s=600)
+    tier.store(make_chunks(8).objs)
+    lease = tier.dir.base / "gc.lease"
+    lease.write_bytes(b"")
+    assert not tier.gc().ran
+    os.utime(lease, (time.time() - 601, time.time() - 601))
+    assert tier.gc().ran
+
+
+def test_automatic_collection_runs_after_the_interval(tmp_path):
+    metrics = Metrics()
+    tier = SharedTier(shared_config(tmp_path / "s", 4 * OBJ, gc_interval_s=0.2), metrics)
+    c = make_chunks(13)
+    tier.store(c.objs[:12])  # well over capacity, but no pass is due yet
+    assert metrics.value("kvtier_evicted_chunks_total", tier=tier.name) == 0
+    time.sleep(0.25)
+    tier.store(c.objs[12:])  # due now: one pass starts in the background
+    tier.close()  # drains it
+    files = {e.key_hex for e in ObjectDir(tmp_path / "s", "path").scan()}
+    assert len(files) <= 4 and c.keys[12].hex in files
+    assert metrics.value("kvtier_evicted_chunks_total", tier=tier.name) >= 9
+
+
+# ---------------------------------------------------------------- writes and stamps
+
+
+def test_check_before_write_skips_objects_already_published(open_shared):
+    ma, mb = Metrics(), Metrics()
+    a, b = open_shared(metrics=ma), open_shared(metrics=mb)
+    c = make_chunks(3)
+    assert a.store(c.objs) == 3
+    inodes = [os.stat(a.dir.path(k)).st_ino for k in c.keys]
+    assert b.store(c.objs) == 3
+    assert mb.value("kvtier_store_skipped_chunks_total", tier=b.name) == 3
+    assert mb.value("kvtier_written_bytes_total", tier=b.name) == 0
+    assert [os.stat(a.dir.path(k)).st_ino for k in c.keys] == inodes  # not rewritten
+    assert _read(b, c.keys) == 3
+
+
+def test_reads_stamp_objects_at_most_once_per_interval(open_shared):
+    tier = open_shared(touch_interval_s=60)
+    c = make_chunks(2)
+    tier.store(c.objs)
+    fresh = os.stat(tier.dir.path(c.keys[0])).st_mtime
+    _stamp(tier, c.keys[1:], [120])
+    stale = os.stat(tier.dir.path(c.keys[1])).st_mtime
+    assert _read(tier, c.keys) == 2
+    assert os.stat(tier.dir.path(c.keys[0])).st_mtime == fresh  # stamped recently: left alone
+    assert os.stat(tier.dir.path(c.keys[1])).st_mtime > stale + 100
+
+
+def test_a_skipped_store_stamps_the_existing_object(open_shared):
+    tier = open_shared(touch_interval_s=60)
+    c = make_chunks(1)
+    tier.store(c.objs)
+    _stamp(tier, c.keys, [120])
+    stale = os.stat(tier.dir.path(c.keys[0])).st_mtime
+    tier.store(c.objs)
+    assert os.stat(tier.dir.path(c.keys[0])).st_mtime > stale + 100
+
+
+def test_start_sweeps_dead_writers_and_old_files_only(tmp_path):
+    d = ObjectDir(tmp_path / "s", "path")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    old = time.time() - 7200
+    names = {
+        f"{_HOST}.{dead.pid}.aa.tmp": None,  # this host, writer gone: swept
+        f"{_HOST}.{os.getpid()}.bb.tmp": None,  # this host, writer alive: kept
+        f"otherhost.{dead.pid}.cc.tmp": None,  # another host, fresh: kept
+        f"otherhost.{os.getpid()}.dd.tmp": old,  # another host, old: swept
+    }
+    for name, mtime in names.items():
+        (d.tmp / name).write_bytes(b"x")
+        if mtime:
+            os.utime(d.tmp / name, (mtime, mtime))
+    SharedTier(shared_config(tmp_path / "s")).close()
+    assert sorted(os.listdir(d.tmp)) == sorted([f"{_HOST}.{os.getpid()}.bb.tmp", f"otherhost.{dead.pid}.cc.tmp"])
+
+
+def test_layout_names_hold_only_digests_and_are_private(open_shared):
+    tier = open_shared()
+    c = make_chunks(1)
+    tier.store(c.objs)
+    p = tier.dir.path(c.keys[0])
+    rel = p.relative_to(tier.dir.root)
+    assert rel.parts == ("kvtier-v1", "objects", c.keys[0].ns[:8].hex(), c.keys[0].hex[:2], c.keys[0].hex + ".kvc")
+    assert p.stat().st_mode & 0o777 == 0o600
+    for d in (tier.dir.base, tier.dir.objects, tier.dir.tmp, tier.dir.quarantine_dir, p.parent, p.parent.parent):
+        assert d.stat().st_mode & 0o777 == 0o700
+
+
+# ---------------------------------------------------------------- many processes
+
+
+def _worker(*args: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.Popen([sys.executable, str(WORKER), *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _verify_directory(root: Path, keys, only=None) -> int:
+    """Every published object under ``root`` (or those of the keys in
+    ``only``) verifies against its key."""
+    by_hex = {k.hex: k for k in keys}
+    d = ObjectDir(root, "path")
+    n = 0
+    for e in d.scan():
+        key = by_hex[e.key_hex]  # no object under a name nobody wrote
+        if only is not None and key not in only:
+            continue
+        obj, _ = d.read(key, o_direct=False, cold=False)  # raises CorruptObject if not whole
+        assert bytes(obj.payload) == shared_worker.payload(key, obj.header.payload_len)
+        n += 1
+    return n
+
+
+def test_three_processes_share_one_directory_without_torn_reads(tmp_path):
+    root = tmp_path / "shared"
+    procs = [_worker("mix", str(root), "2.5", str(seed)) for seed in range(3)]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+        results.append(json.loads(out))
+    for r in results:
+        assert r["errors"] == [] and r["io_errors"] == 0, r
+        assert r["mismatches"] == 0, r
+        assert r["integrity_failures"] == 0, r  # a torn read would show up here
+        assert r["writes"] > 0 and r["hits"] > 0, r
+    assert sum(r["gc_runs"] for r in results) > 0
+    assert _verify_directory(root, shared_worker.mix_keys()) > 0
+    d = ObjectDir(root, "path")
+    assert os.listdir(d.quarantine_dir) == []
+    assert os.listdir(d.tmp) == []
+
+
+def test_a_writer_killed_mid_write_leaves_nothing_partial(tmp_path):
+    root = tmp_path / "shared"
+    d = ObjectDir(root, "path")
+    rng = random.Random(11)
+    keys, left_behind = [], 0
+    for seed in range(10):
+        p = _worker("writer", str(root), str(seed))
+        try:
+            assert p.stdout.readline().strip() == "ready", p.stderr.read()
+            time.sleep(rng.uniform(0.02, 0.15))
+            p.send_signal(signal.SIGKILL)
+        finally:
+            p.kill()
+            p.wait(30)
+        mine = shared_worker.big_keys(seed)
+        keys += mine
+        left_behind += sum(1 for f in os.listdir(d.tmp) if f.startswith(f"{_HOST}.{p.pid}."))
+        _verify_directory(root, keys, only=set(mine))  # what it published is whole, or absent
+    assert left_behind > 0, "no writer was killed mid-write; the test proved nothing"
+    SharedTier(shared_config(root)).close()  # the next start sweeps dead writers' files
+    assert os.listdir(d.tmp) == []
+    assert _verify_directory(root, keys) > 0
+
+
+def test_sweep_tmp_removes_a_killed_writers_files(tmp_path):
+    root = tmp_path / "shared"
+    d = ObjectDir(root, "path")
+    for attempt in range(10):
+        p = _worker("writer", str(root), str(100 + attempt))
+        try:
+            assert p.stdout.readline().strip() == "ready"
+            time.sleep(0.05)
+            p.send_signal(signal.SIGKILL)
+        finally:
+            p.kill()
+            p.wait(30)
+        orphans = [f for f in os.listdir(d.tmp) if f.startswith(f"{_HOST}.{p.pid}.")]
+        if orphans:
+            break
+    assert orphans, "never caught a writer mid-write"
+    assert d.sweep_tmp(3600) == len(orphans)  # young, but its writer is dead
+    assert os.listdir(d.tmp) == []
