@@ -31,6 +31,7 @@ from kvtier.tiers.files import FileTierConfig
 log = logging.getLogger(__name__)
 
 _REC = struct.Struct("<32s8sd")
+_FLUSH_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class DiskTier(FileTier):
         self._log_path = self.dir.base / "access.log"
         self._rebuild_index()
         self._log = open(self._log_path, "ab", buffering=1 << 16)
+        self._last_flush = time.monotonic()
         self.metrics.used(self._used)
 
     def _take_ownership(self) -> int:
@@ -102,8 +104,13 @@ class DiskTier(FileTier):
         self._unlink_victims(victims)
 
     def _record(self, key: ChunkKey) -> None:
-        # Caller holds self._lock (the log shares it).
+        # Caller holds self._lock (the log shares it). Flushed every few
+        # seconds: a crash loses at most that much recency, never objects.
         self._log.write(_REC.pack(key.digest, key.ns[:8], time.time()))
+        now = time.monotonic()
+        if now - self._last_flush > _FLUSH_S:
+            self._log.flush()
+            self._last_flush = now
 
     def lookup(self, keys, timeout: float | None = None) -> int:
         """Answered from the in-memory index: no I/O, no wait."""

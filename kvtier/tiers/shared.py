@@ -21,9 +21,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 from kvtier.config import ConfigError, opt
@@ -78,7 +80,7 @@ class SharedTier(FileTier):
         self._lock = threading.Lock()
         self._used_estimate = 0  # last scan + own writes since
         self._objects_estimate = 0
-        self._last_gc = time.monotonic()
+        self._last_gc: float | None = None  # no pass yet: the first write starts one
         self._gc_pending = False
         swept = self.dir.sweep_tmp(config.tmp_max_age_s)
         if swept:
@@ -95,13 +97,20 @@ class SharedTier(FileTier):
             pass  # deleted meanwhile: nothing to stamp
 
     def _stored(self, key, obj) -> None:
+        """Count our write; start a background collection pass when one is due:
+        the first write after start (it also measures usage), every
+        ``gc_interval_s``, and sooner (at most every 5 s) once this instance's
+        view of usage passes the high watermark."""
         with self._lock:
             self._used_estimate += obj.nbytes
             self._objects_estimate += 1
+            interval = self.config.gc_interval_s
+            since = time.monotonic() - self._last_gc if self._last_gc is not None else float("inf")
+            over = self._used_estimate > self.config.high_watermark * self.capacity
             due = (
-                self.config.gc_interval_s > 0
+                interval > 0
                 and not self._gc_pending
-                and time.monotonic() - self._last_gc >= self.config.gc_interval_s
+                and (since >= interval or (over and since >= min(interval, 5.0)))
             )
             if due:
                 self._gc_pending = True
@@ -123,7 +132,8 @@ class SharedTier(FileTier):
         """One collection pass. Safe to run from any number of instances."""
         t0 = time.monotonic()
         lease = self.dir.base / "gc.lease"
-        if not dry_run and not self._take_lease(lease):
+        token = None if dry_run else self._take_lease(lease)
+        if not dry_run and token is None:
             return GcResult(False, 0, 0, 0, 0, 0, 0, time.monotonic() - t0)
         try:
             entries = []
@@ -160,40 +170,70 @@ class SharedTier(FileTier):
             return GcResult(True, len(entries), total, deleted, after, tmp_swept, q_swept, time.monotonic() - t0)
         finally:
             if not dry_run:
-                _release_lease(lease)
+                _release_lease(lease, token)
 
-    def _take_lease(self, lease) -> bool:
-        body = json.dumps({"host": _HOST, "pid": os.getpid(), "time": time.time()}).encode()
-        for _ in range(2):
-            try:
-                fd = os.open(lease, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-            except FileExistsError:
-                if not self._lease_stale(lease):
-                    return False
+    def _take_lease(self, lease: Path) -> str | None:
+        """Take the collector lease; returns its token, or None if another live
+        collector holds it.
+
+        The lease is written in full under a temporary name and published with
+        ``link`` (atomic, fails if a lease exists), so nobody ever reads a
+        half-written lease. A stale lease is taken over by renaming it to a
+        unique name first: of several collectors racing for it, one rename
+        wins. Two collectors running at once is still safe (deletes are
+        idempotent); the lease only spares redundant work.
+        """
+        token = secrets.token_hex(8)
+        body = json.dumps({"host": _HOST, "pid": os.getpid(), "time": time.time(), "token": token}).encode()
+        tmp = self.dir.tmp / f"{_HOST}.{os.getpid()}.{token}.lease"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(body)
+        try:
+            for _ in range(2):
                 try:
-                    os.unlink(lease)
-                except FileNotFoundError:
-                    pass
-                continue
-            with os.fdopen(fd, "wb") as f:
-                f.write(body)
-            return True
-        return False
+                    os.link(tmp, lease)
+                    return token
+                except FileExistsError:
+                    stale = self._lease_stale(lease)
+                    if stale is None:
+                        return None
+                    grave = lease.with_name(f"gc.lease.{token}.stale")
+                    try:
+                        os.rename(lease, grave)
+                    except FileNotFoundError:
+                        continue  # released or taken meanwhile: try again
+                    if _lease_token(grave) != stale:
+                        # We moved a fresh lease someone took meanwhile: put it back.
+                        try:
+                            os.link(grave, lease)
+                        except FileExistsError:
+                            pass
+                        _release_lease(grave)
+                        return None
+                    _release_lease(grave)
+            return None
+        finally:
+            _release_lease(tmp)
 
-    def _lease_stale(self, lease) -> bool:
+    def _lease_stale(self, lease: Path) -> str | None:
+        """The token of an abandoned lease, or None if its holder is alive."""
         try:
             info = json.loads(lease.read_bytes())
             age = time.time() - float(info["time"])
             same_host_dead = info.get("host") == _HOST and not _pid_alive(int(info["pid"]))
-            return same_host_dead or age > self.config.lease_s
+            if same_host_dead or age > self.config.lease_s:
+                return str(info.get("token", ""))
+            return None
+        except FileNotFoundError:
+            return ""
         except (OSError, ValueError, KeyError, TypeError):
-            # Unreadable: abandoned, or created a moment ago by a collector
-            # that has not written it yet (creation and write are two steps).
-            # Only the file's age tells them apart.
+            # Unreadable (kvtier publishes leases whole, but a foreign or older
+            # writer may not): abandoned only once it is older than a lease.
             try:
-                return time.time() - lease.stat().st_mtime > self.config.lease_s
+                return "" if time.time() - lease.stat().st_mtime > self.config.lease_s else None
             except OSError:
-                return True
+                return ""
 
     def _sweep_quarantine(self, max_age_s: float = 86400.0) -> int:
         now, n = time.time(), 0
@@ -227,11 +267,21 @@ class SharedTier(FileTier):
             return TierStats(self.name, self.kind, self._objects_estimate, self._used_estimate, self.capacity)
 
 
-def _release_lease(lease) -> None:
+def _release_lease(lease: Path, token: str | None = None) -> None:
+    """Remove a lease file; with ``token``, only if it is still ours."""
+    if token is not None and _lease_token(lease) != token:
+        return
     try:
         os.unlink(lease)
     except FileNotFoundError:
         pass
+
+
+def _lease_token(lease: Path) -> str:
+    try:
+        return str(json.loads(lease.read_bytes()).get("token", ""))
+    except (OSError, ValueError, AttributeError):
+        return ""
 
 
 def _log_failure(name: str):

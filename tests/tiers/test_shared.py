@@ -274,18 +274,44 @@ def test_a_lease_being_written_is_not_mistaken_for_an_abandoned_one(open_shared)
     assert tier.gc().ran
 
 
-def test_automatic_collection_runs_after_the_interval(tmp_path):
+def test_automatic_collection_runs_at_start_and_again_after_the_interval(tmp_path):
     metrics = Metrics()
-    tier = SharedTier(shared_config(tmp_path / "s", 4 * OBJ, gc_interval_s=0.2), metrics)
+    tier = SharedTier(shared_config(tmp_path / "s", 4 * OBJ, gc_interval_s=0.3), metrics)
     c = make_chunks(13)
-    tier.store(c.objs[:12])  # well over capacity, but no pass is due yet
-    assert metrics.value("kvtier_evicted_chunks_total", tier=tier.name) == 0
-    time.sleep(0.25)
+    tier.store(c.objs[:1])  # the first write of an instance starts a pass (it measures usage)
+    deadline = time.monotonic() + 10
+    while tier._gc_pending and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert tier._last_gc is not None
+    tier.store(c.objs[1:12])  # well over capacity, but the next pass is not due yet
+    assert not tier._gc_pending
+    time.sleep(0.35)
     tier.store(c.objs[12:])  # due now: one pass starts in the background
     tier.close()  # drains it
     files = {e.key_hex for e in ObjectDir(tmp_path / "s", "path").scan()}
     assert len(files) <= 4 and c.keys[12].hex in files
     assert metrics.value("kvtier_evicted_chunks_total", tier=tier.name) >= 9
+
+
+def test_concurrent_takeovers_of_a_stale_lease_leave_one_lease(open_shared):
+    tier = open_shared(10 * OBJ, high_watermark=0.5, low_watermark=0.3, lease_s=600)
+    lease = tier.dir.base / "gc.lease"
+    lease.write_text(json.dumps({"host": "otherhost", "pid": 1, "time": time.time() - 601, "token": "old"}))
+    tokens, barrier = [], threading.Barrier(8)
+
+    def take():
+        barrier.wait()
+        tokens.append(tier._take_lease(lease))
+
+    threads = [threading.Thread(target=take) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    won = [t for t in tokens if t is not None]
+    assert len(won) >= 1
+    assert json.loads(lease.read_text())["token"] in won  # a whole, fresh lease is in place
+    assert not list(tier.dir.tmp.iterdir())  # no lease drafts left behind
 
 
 # ---------------------------------------------------------------- writes and stamps
