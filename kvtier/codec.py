@@ -32,6 +32,7 @@ import struct
 import threading
 import zlib
 from dataclasses import dataclass
+from typing import Callable
 
 import xxhash
 
@@ -140,25 +141,44 @@ def encode(
     key: ChunkKey, dtype: str, shape: tuple[int, ...], payload: memoryview | bytes, pool: BufferPool | None = None
 ) -> ChunkObject:
     """Copy ``payload`` into a new aligned object with its header."""
-    payload = memoryview(payload).cast("B")
-    _check_layout(dtype, shape, payload.nbytes)
-    header = Header(
-        key=key.digest,
-        check=key.check,
-        ns=key.ns,
-        dtype=dtype,
-        shape=tuple(shape),
-        num_tokens=key.num_tokens,
-        payload_len=payload.nbytes,
-        checksum=payload_checksum(payload),
-    )
-    buf = pool.get(header.object_len) if pool is not None else alloc(header.object_len)
-    buf[:HEADER_BLOCK] = bytes(HEADER_BLOCK)  # a recycled buffer holds old bytes
-    buf[:HEADER_STRUCT_SIZE] = pack_header(header)
-    copy_into(buf[HEADER_BLOCK : HEADER_BLOCK + payload.nbytes], payload)
-    tail = header.object_len - HEADER_BLOCK - payload.nbytes
-    if tail:
-        buf[header.object_len - tail :] = bytes(tail)
+    src = memoryview(payload).cast("B")
+    return build(key, dtype, shape, lambda dst: copy_into(dst, src), pool)
+
+
+def build(
+    key: ChunkKey,
+    dtype: str,
+    shape: tuple[int, ...],
+    fill: Callable[[memoryview], None],
+    pool: BufferPool | None = None,
+) -> ChunkObject:
+    """A new object whose payload ``fill`` writes in place (one copy from the
+    source, e.g. an engine's KV blocks, straight into the object buffer)."""
+    nbytes = math.prod(shape) * DTYPE_SIZES.get(dtype, 0)
+    _check_layout(dtype, tuple(shape), nbytes)
+    object_len = HEADER_BLOCK + align_up(nbytes)
+    buf = pool.get(object_len) if pool is not None else alloc(object_len)
+    try:
+        payload = buf[HEADER_BLOCK : HEADER_BLOCK + nbytes]
+        fill(payload)
+        header = Header(
+            key=key.digest,
+            check=key.check,
+            ns=key.ns,
+            dtype=dtype,
+            shape=tuple(shape),
+            num_tokens=key.num_tokens,
+            payload_len=nbytes,
+            checksum=payload_checksum(payload),
+        )
+        buf[:HEADER_BLOCK] = bytes(HEADER_BLOCK)  # a recycled buffer holds old bytes
+        buf[:HEADER_STRUCT_SIZE] = pack_header(header)
+        if object_len > HEADER_BLOCK + nbytes:
+            buf[HEADER_BLOCK + nbytes :] = bytes(object_len - HEADER_BLOCK - nbytes)
+    except BaseException:
+        if pool is not None:
+            pool.put(buf)
+        raise
     return ChunkObject(header, buf, pool)
 
 

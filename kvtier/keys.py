@@ -102,23 +102,46 @@ def _pack_tokens(tokens: Sequence[int]) -> bytes:
         raise ValueError(f"token ids must be integers in [0, {MAX_TOKEN_ID}]") from exc
 
 
+def root_key(ns_digest: bytes) -> ChunkKey:
+    """The chain state before the first chunk (not itself a chunk's key)."""
+    return ChunkKey(
+        hashlib.sha256(_field(b"kvtier-root") + _field(ns_digest)).digest(),
+        hashlib.blake2b(_field(b"kvtier-check") + _field(ns_digest), digest_size=CHECK_BYTES).digest(),
+        ns_digest,
+        0,
+    )
+
+
+def next_key(prev: ChunkKey, chunk: Sequence[int]) -> ChunkKey:
+    """The key of ``chunk`` following ``prev`` (a chunk key or ``root_key``)."""
+    body = _field(_U64.pack(len(chunk))) + _field(_pack_tokens(chunk))
+    digest = hashlib.sha256(_field(b"kvtier-chunk") + _field(_full_digest(prev)) + body).digest()
+    check = hashlib.blake2b(_field(b"kvtier-check") + _field(prev.check) + body, digest_size=CHECK_BYTES).digest()
+    key = ChunkKey(digest, check, prev.ns, len(chunk))
+    if _TRUNCATE_DIGEST_FOR_TESTS is not None:
+        keep = _TRUNCATE_DIGEST_FOR_TESTS
+        truncated = ChunkKey(digest[:keep] + bytes(DIGEST_BYTES - keep), check, prev.ns, len(chunk))
+        _FULL[truncated] = digest
+        return truncated
+    return key
+
+
+# The chain always continues from the full digest, even when the test hook
+# truncates the naming digest. Only the hook needs this map.
+_FULL: dict = {}
+
+
+def _full_digest(prev: ChunkKey) -> bytes:
+    if _TRUNCATE_DIGEST_FOR_TESTS is None:
+        return prev.digest
+    return _FULL.get(prev, prev.digest)
+
+
 def chunk_keys(ns: Namespace, tokens: Sequence[int], *, ns_digest: bytes | None = None) -> list[ChunkKey]:
     """Keys of every chunk of ``tokens``, the last partial chunk included."""
-    nsd = ns_digest if ns_digest is not None else ns.digest()
-    size = ns.chunk_tokens
-    prev = hashlib.sha256(_field(b"kvtier-root") + _field(nsd)).digest()
-    prev_check = hashlib.blake2b(_field(b"kvtier-check") + _field(nsd), digest_size=CHECK_BYTES).digest()
+    prev = root_key(ns_digest if ns_digest is not None else ns.digest())
     out: list[ChunkKey] = []
-    for start in range(0, len(tokens), size):
-        chunk = tokens[start : start + size]
-        body = _field(_U64.pack(len(chunk))) + _field(_pack_tokens(chunk))
-        prev = hashlib.sha256(_field(b"kvtier-chunk") + _field(prev) + body).digest()
-        prev_check = hashlib.blake2b(
-            _field(b"kvtier-check") + _field(prev_check) + body, digest_size=CHECK_BYTES
-        ).digest()
-        digest = prev
-        if _TRUNCATE_DIGEST_FOR_TESTS is not None:
-            keep = _TRUNCATE_DIGEST_FOR_TESTS
-            digest = prev[:keep] + bytes(DIGEST_BYTES - keep)
-        out.append(ChunkKey(digest, prev_check, nsd, len(chunk)))
+    for start in range(0, len(tokens), ns.chunk_tokens):
+        prev = next_key(prev, tokens[start : start + ns.chunk_tokens])
+        out.append(prev)
     return out
