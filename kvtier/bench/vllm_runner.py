@@ -1,0 +1,107 @@
+"""Run vLLM (offline ``LLM``) with or without kvtier, as one process per engine.
+
+    python -m kvtier.bench.vllm_runner SPEC.json OUT.json
+
+SPEC: {"model": dir, "kvtier": {kv_connector_extra_config} | null,
+       "engine": {extra LLM(...) keyword arguments},
+       "phases": [{"name": str, "prompts": [{"tokens": [...], "salt": str|null}],
+                   "max_tokens": int, "logprobs": int, "one_by_one": bool,
+                   "reset_prefix_cache": bool}]}
+OUT:  {"phases": [{"name", "results": [{"tokens", "logprobs", "num_cached_tokens", "ttft_s"}]}],
+       "metrics": {name: value}, "kvtier_metrics": {...}}
+
+Prompts are token ids (no tokenizer is loaded). TTFT here is measured as the
+wall time of a request generated alone with max_tokens=1 when ``one_by_one``
+and ``max_tokens == 1``; otherwise it is the request's own
+``metrics.first_token_latency`` when vLLM reports it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def _connector_config(extra: dict) -> dict:
+    return {
+        "kv_connector": "KVTierConnector",
+        "kv_connector_module_path": "kvtier.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def main(spec_path: str, out_path: str) -> int:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    spec = json.loads(open(spec_path).read())
+    from vllm import LLM, SamplingParams
+
+    engine = dict(
+        skip_tokenizer_init=True, dtype="float32", enforce_eager=True, enable_prefix_caching=True,
+        kv_cache_memory_bytes=64 << 20, max_model_len=4096, disable_log_stats=False,
+    )
+    engine.update(spec.get("engine", {}))
+    if spec.get("kvtier") is not None:
+        engine["kv_transfer_config"] = _connector_config(spec["kvtier"])
+    llm = LLM(model=spec["model"], **engine)
+    out = {"phases": []}
+    for phase in spec["phases"]:
+        sp = SamplingParams(
+            max_tokens=phase.get("max_tokens", 4), temperature=0.0, detokenize=False,
+            logprobs=phase.get("logprobs"),
+        )
+        if phase.get("reset_prefix_cache"):
+            llm.reset_prefix_cache()
+        prompts = []
+        for p in phase["prompts"]:
+            d = {"prompt_token_ids": p["tokens"]}
+            if p.get("salt"):
+                d["cache_salt"] = p["salt"]
+            prompts.append(d)
+        results = []
+        batches = [[p] for p in prompts] if phase.get("one_by_one", True) else [prompts]
+        for batch in batches:
+            t0 = time.perf_counter()
+            outs = llm.generate(batch, sp, use_tqdm=False)
+            wall = time.perf_counter() - t0
+            for o in outs:
+                c = o.outputs[0]
+                lps = None
+                if c.logprobs is not None:
+                    lps = [{str(t): float(v.logprob) for t, v in step.items()} for step in c.logprobs]
+                results.append({
+                    "tokens": list(c.token_ids), "logprobs": lps,
+                    "num_cached_tokens": o.num_cached_tokens, "wall_s": wall,
+                })
+        out["phases"].append({"name": phase.get("name", ""), "results": results})
+    metrics = {}
+    for m in llm.get_metrics():
+        if "prefix_cache" in m.name or "prompt_tokens_cached" in m.name:
+            value = getattr(m, "value", None)
+            if value is not None:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(m.labels.items()) if k not in ("model_name", "engine"))
+                metrics[f"{m.name}{{{labels}}}" if labels else m.name] = value
+    out["metrics"] = metrics
+    from prometheus_client import REGISTRY
+
+    kv = {}
+    for fam in REGISTRY.collect():
+        if fam.name.startswith("kvtier"):
+            for s in fam.samples:
+                if s.name.endswith("_created"):
+                    continue
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+                kv[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    out["kvtier_metrics"] = kv
+    with open(out_path, "w") as f:
+        json.dump(out, f)
+    del llm
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2]))

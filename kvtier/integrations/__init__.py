@@ -1,0 +1,1 @@
+"""Engine integrations. Each subpackage imports its engine; ``kvtier`` alone does not."""

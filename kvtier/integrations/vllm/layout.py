@@ -1,0 +1,108 @@
+"""Moving whole engine blocks between vLLM's KV cache tensors and chunk payloads.
+
+A chunk of ``chunk_tokens`` tokens spans ``chunk_tokens / block_size`` engine
+blocks. Its payload is those blocks' pages for every layer, copied as opaque
+bytes (a page's inner arrangement is the attention kernel's business: on CPU
+the K tile is transposed, for instance), shaped ``[layers, blocks, *page]``.
+
+Layouts are found from the tensors ``register_kv_caches`` receives, never
+assumed:
+
+- ``block-major``: ``kv[block]`` is one contiguous page (CPU attention:
+  ``[num_blocks, kv_heads, block_size, 2*head_dim]``; FlashInfer NHD).
+- ``kv-major``: ``kv[0][block]`` and ``kv[1][block]`` are the K and V pages
+  (FlashAttention: ``[2, num_blocks, block_size, kv_heads, head_dim]``).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from kvtier.errors import ConfigError
+
+
+class BlockLayout:
+    name = "abstract"
+
+    def __init__(self, layers: Sequence[torch.Tensor]):
+        self.layers = list(layers)
+        self.dtype = self.layers[0].dtype
+        self.device = self.layers[0].device
+
+    def chunk_shape(self, num_blocks: int) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def gather(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
+        """Copy the pages of ``block_ids`` of every layer into ``out``."""
+        raise NotImplementedError
+
+    def scatter(self, block_ids: Sequence[int], src: torch.Tensor, first: int = 0) -> None:
+        """Copy ``src`` (``chunk_shape(len(block_ids))``) into the pages of
+        ``block_ids[first:]``; the first ``first`` blocks are left alone (the
+        engine already holds them)."""
+        raise NotImplementedError
+
+    def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+
+
+class BlockMajor(BlockLayout):
+    name = "block-major"
+
+    def chunk_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (len(self.layers), num_blocks, *self.layers[0].shape[1:])
+
+    def gather(self, block_ids, out) -> None:
+        idx = self._index(block_ids)
+        for layer, dst in zip(self.layers, out):
+            _select(layer, idx, dst)
+
+    def scatter(self, block_ids, src, first: int = 0) -> None:
+        idx = self._index(block_ids[first:])
+        for layer, part in zip(self.layers, src):
+            layer.index_copy_(0, idx, part[first:].to(self.device, non_blocking=False))
+
+
+class KVMajor(BlockLayout):
+    name = "kv-major"
+
+    def chunk_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (len(self.layers), 2, num_blocks, *self.layers[0].shape[2:])
+
+    def gather(self, block_ids, out) -> None:
+        idx = self._index(block_ids)
+        for layer, dst in zip(self.layers, out):
+            for kv in range(2):
+                _select(layer[kv], idx, dst[kv])
+
+    def scatter(self, block_ids, src, first: int = 0) -> None:
+        idx = self._index(block_ids[first:])
+        for layer, part in zip(self.layers, src):
+            for kv in range(2):
+                layer[kv].index_copy_(0, idx, part[kv][first:].to(self.device))
+
+
+def _select(src: torch.Tensor, idx: torch.Tensor, dst: torch.Tensor) -> None:
+    """dst = src[idx], straight into ``dst`` when both live on the host."""
+    if src.device == dst.device:
+        torch.index_select(src, 0, idx, out=dst)
+    else:
+        dst.copy_(src.index_select(0, idx))
+
+
+def detect(layers: Sequence[torch.Tensor], num_blocks: int) -> BlockLayout:
+    first = layers[0]
+    for t in layers:
+        if t.shape != first.shape or t.dtype != first.dtype:
+            raise ConfigError("kv_caches", "layers have different KV cache shapes or dtypes", "kvtier needs one uniform KV cache group")
+    if first.shape[0] == num_blocks and all(t[0].is_contiguous() for t in layers):
+        return BlockMajor(layers)
+    if first.dim() >= 3 and first.shape[0] == 2 and first.shape[1] == num_blocks:
+        return KVMajor(layers)
+    raise ConfigError(
+        "kv_caches",
+        f"unrecognised KV cache layout {tuple(first.shape)} for {num_blocks} blocks",
+        "this attention backend is not supported yet; please report it with the shape",
+    )

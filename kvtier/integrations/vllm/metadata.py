@@ -1,0 +1,36 @@
+"""What the scheduler side tells the worker side each step (pickled between
+processes when vLLM runs them apart, so plain data only)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from kvtier.keys import ChunkKey
+
+
+@dataclass
+class ChunkIO:
+    key: ChunkKey
+    block_ids: list[int]  # the chunk's engine blocks, in token order
+    skip: int = 0  # loads: leading blocks the engine already holds (not written)
+
+
+@dataclass
+class LoadJob:
+    req_id: str
+    chunks: list[ChunkIO]
+    tiers: list[str]  # tier holding each chunk at lookup time (for metrics)
+
+
+@dataclass
+class SaveJob:
+    req_id: str
+    chunks: list[ChunkIO]
+
+
+@dataclass
+class KVTierMetadata(KVConnectorMetadata):
+    loads: list[LoadJob] = field(default_factory=list)
+    saves: list[SaveJob] = field(default_factory=list)

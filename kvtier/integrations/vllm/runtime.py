@@ -1,0 +1,89 @@
+"""State shared by the connector's two roles inside one process.
+
+vLLM builds a scheduler-side and a worker-side connector. With one worker per
+engine (tensor parallel 1, vLLM's uniproc executor) both live in the engine
+core process and share one TieredStore here, so the scheduler's lookups see
+the worker's memory tier, and a prefetch started at lookup feeds the load.
+Across processes (tensor parallel > 1) each process has its own store; see
+docs/vllm.md for what that means.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+
+from prometheus_client import REGISTRY, Counter
+
+from kvtier.config import StoreConfig
+from kvtier.engine.store import TieredStore
+from kvtier.metrics import Metrics
+
+_lock = threading.Lock()
+_stores: dict[StoreConfig, list] = {}  # config -> [store, refs]
+_prefetches: dict[str, Future] = {}
+_metrics: Metrics | None = None
+_connector_counters: dict[str, Counter] = {}
+
+
+def metrics() -> Metrics:
+    """kvtier's metrics for this process, on prometheus_client's default
+    registry, so that a Prometheus endpoint of the process shows them."""
+    global _metrics
+    with _lock:
+        if _metrics is None:
+            _metrics = Metrics(REGISTRY)
+            _connector_counters["external_hit_tokens"] = Counter(
+                "kvtier_vllm_external_hit_tokens",
+                "Tokens vLLM took from kvtier instead of computing them, by tier that held them at lookup",
+                ["tier"],
+                registry=REGISTRY,
+            )
+            _connector_counters["load_failed_blocks"] = Counter(
+                "kvtier_vllm_load_failed_blocks",
+                "Engine blocks kvtier promised but could not load; vLLM recomputed them",
+                registry=REGISTRY,
+            )
+            _connector_counters["saved_chunks"] = Counter(
+                "kvtier_vllm_saved_chunks", "Chunks gathered from the engine and handed to the store", registry=REGISTRY
+            )
+        return _metrics
+
+
+def counter(name: str) -> Counter:
+    metrics()
+    return _connector_counters[name]
+
+
+def acquire(config: StoreConfig, chunk_bytes: int) -> TieredStore:
+    m = metrics()
+    with _lock:
+        entry = _stores.get(config)
+        if entry is None:
+            entry = _stores[config] = [TieredStore(config, m, chunk_bytes=chunk_bytes), 0]
+        entry[1] += 1
+        return entry[0]
+
+
+def release(store: TieredStore) -> None:
+    with _lock:
+        for cfg, entry in list(_stores.items()):
+            if entry[0] is store:
+                entry[1] -= 1
+                if entry[1] > 0:
+                    return
+                del _stores[cfg]
+                break
+        else:
+            return
+    store.close()
+
+
+def set_prefetch(req_id: str, fut: Future) -> None:
+    with _lock:
+        _prefetches[req_id] = fut
+
+
+def pop_prefetch(req_id: str) -> Future | None:
+    with _lock:
+        return _prefetches.pop(req_id, None)

@@ -1,0 +1,261 @@
+"""Scheduler side: decides what to load and what to save. Moves no bytes.
+
+Threads: vLLM's scheduler thread calls every method here. Lookups run on a
+small pool of this object's own (``_lookups``) so that the scheduler never
+waits on storage: a request whose lookup is still running is answered
+"ask again next step" (``None``), as vLLM's contract allows.
+
+Per request it keeps the lookup answer, the chunk keys of its tokens (a
+prefix chain, extended as tokens are computed), its engine block ids, and how
+far its KV is already in kvtier (``saved_upto``).
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.engine.executor import LOAD, PriorityExecutor
+from kvtier.engine.store import TieredStore
+from kvtier.integrations.vllm import runtime
+from kvtier.integrations.vllm.metadata import ChunkIO, KVTierMetadata, LoadJob, SaveJob
+from kvtier.integrations.vllm.settings import Settings
+from kvtier.keys import ChunkKey, next_key, root_key
+
+log = logging.getLogger(__name__)
+
+# A lookup answered from memory or the disk index takes microseconds: wait
+# this long before deferring the request by a scheduler step.
+_LOOKUP_GRACE_S = 0.005
+
+
+@dataclass(frozen=True)
+class _Hit:
+    tokens: int
+    keys: list[ChunkKey]  # keys of the hit chunks (the last may be partial)
+    tiers: list[str]  # tier holding each hit chunk
+
+
+@dataclass
+class _Req:
+    request: Any
+    root: ChunkKey
+    full_keys: list[ChunkKey] = field(default_factory=list)  # full chunks, chained
+    lookup: Future | None = None
+    lookup_usable: int = -1
+    local_tokens: int = 0  # vLLM's own prefix hit when we answered
+    block_ids: list[int] = field(default_factory=list)
+    saved_upto: int = 0  # tokens (chunk-aligned) already in kvtier
+    tail_saved: bool = False
+    loading_blocks: set[int] | None = None
+    failed: bool = False
+
+
+class KVTierScheduler:
+    def __init__(self, settings: Settings, store: TieredStore, tier_kinds: dict[str, str]):
+        self.settings = settings
+        self.store = store
+        self.bs = settings.block_size
+        self.chunk = settings.store.chunk_tokens
+        self._tier_kinds = tier_kinds
+        self._reqs: dict[str, _Req] = {}
+        self._roots: dict[str, ChunkKey] = {}
+        self._lookups = PriorityExecutor("vllm-lookup", 2)
+        self._pending_loads: list[LoadJob] = []
+
+    # ------------------------------------------------------------ keys
+    def _state(self, request) -> _Req:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            salt = request.cache_salt or ""
+            root = self._roots.get(salt)
+            if root is None:
+                root = self._roots[salt] = root_key(self.settings.namespace.with_salt(salt).digest())
+            st = self._reqs[request.request_id] = _Req(request, root)
+        st.request = request
+        return st
+
+    def _full_key(self, st: _Req, index: int, tokens) -> ChunkKey:
+        """Key of full chunk ``index`` (tokens [index*C, (index+1)*C))."""
+        while len(st.full_keys) <= index:
+            i = len(st.full_keys)
+            prev = st.full_keys[-1] if st.full_keys else st.root
+            st.full_keys.append(next_key(prev, list(tokens[i * self.chunk : (i + 1) * self.chunk])))
+        return st.full_keys[index]
+
+    # ------------------------------------------------------------ lookup
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        st = self._state(request)
+        if st.failed:
+            return 0, False
+        usable = (request.num_tokens - 1) // self.bs * self.bs  # leave one token to compute
+        if usable <= num_computed_tokens:
+            return 0, False
+        if st.lookup is None or st.lookup_usable != usable:
+            tokens = list(request.all_token_ids[:usable])
+            st.lookup = self._lookups.submit(LOAD, self._lookup, request.request_id, st.root, tokens)
+            st.lookup_usable = usable
+        try:
+            hit: _Hit = st.lookup.result(timeout=_LOOKUP_GRACE_S)
+        except FutureTimeout:
+            return None, False
+        except Exception as exc:  # a lookup must never fail a request
+            log.warning("kvtier lookup failed for %s: %s", request.request_id, exc)
+            return 0, False
+        st.local_tokens = num_computed_tokens
+        if hit.tokens <= num_computed_tokens:
+            return 0, False
+        return hit.tokens - num_computed_tokens, True
+
+    def _lookup(self, req_id: str, root: ChunkKey, tokens: list[int]) -> _Hit:
+        """Longest stored prefix of ``tokens`` (runs on the lookup pool).
+
+        Full chunks first; where they stop, a shorter chunk (whole blocks)
+        may hold the rest: the partial tail an earlier, shorter prompt stored.
+        """
+        C, bs = self.chunk, self.bs
+        keys, prev = [], root
+        for start in range(0, len(tokens), C):
+            prev = next_key(prev, tokens[start : start + C])
+            keys.append(prev)
+        plan = self.store.lookup(keys)
+        hit_keys = keys[: plan.chunks]
+        tiers = [s.tier for s in plan.segments for _ in range(s.start, s.stop)]
+        hit = plan.tokens
+        if plan.chunks < len(keys):
+            start = plan.chunks * C
+            tried = keys[plan.chunks].num_tokens
+            base = hit_keys[-1] if hit_keys else root
+            for n in range(min(C, len(tokens) - start) // bs * bs, 0, -bs):
+                if n == tried:
+                    continue
+                k = next_key(base, tokens[start : start + n])
+                sub = self.store.lookup([k])
+                if sub.chunks:
+                    hit_keys.append(k)
+                    tiers.append(sub.segments[0].tier)
+                    hit += n
+                    break
+        if hit and any(self._tier_kinds.get(t) != "memory" for t in tiers) and self.store.memory is not None:
+            runtime.set_prefetch(req_id, self.store.prefetch(hit_keys))
+        return _Hit(hit, hit_keys, tiers)
+
+    def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        st = self._reqs.get(request.request_id)
+        if not num_external_tokens or st is None or st.lookup is None or not st.lookup.done():
+            return {}
+        hit: _Hit = st.lookup.result()
+        lo, hi = st.local_tokens, st.local_tokens + num_external_tokens
+        by_tier: dict[str, int] = {}
+        pos = 0
+        for k, tier in zip(hit.keys, hit.tiers):
+            a, b = max(pos, lo), min(pos + k.num_tokens, hi)
+            if b > a:
+                by_tier[tier] = by_tier.get(tier, 0) + b - a
+            pos += k.num_tokens
+        kind_source = {"memory": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
+        out: dict = {}
+        for tier, n in by_tier.items():
+            runtime.counter("external_hit_tokens").labels(tier).inc(n)
+            src = kind_source.get(self._tier_kinds.get(tier, ""), CacheHitSource.EXTERNAL_UNSPECIFIED)
+            out[src] = out.get(src, 0) + n
+        return out
+
+    # ------------------------------------------------------------ allocation
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        st = self._state(request)
+        block_ids = list(blocks.get_block_ids()[0])
+        hit: _Hit | None = st.lookup.result() if st.lookup is not None and st.lookup.done() else None
+        if hit is not None:
+            # Chunks kvtier already holds need no save; a partial last chunk
+            # is saved again once its full version exists.
+            full = [k for k in hit.keys if k.num_tokens == self.chunk]
+            st.saved_upto = max(st.saved_upto, len(full) * self.chunk)
+        if num_external_tokens <= 0 or hit is None:
+            return
+        lo, hi = st.local_tokens, st.local_tokens + num_external_tokens
+        chunks, tiers, pos = [], [], 0
+        for k, tier in zip(hit.keys, hit.tiers):
+            start, end = pos, pos + k.num_tokens
+            pos = end
+            if end <= lo or start >= hi:
+                continue
+            ids = block_ids[start // self.bs : end // self.bs]
+            chunks.append(ChunkIO(k, ids, skip=(max(start, lo) - start) // self.bs))
+            tiers.append(tier)
+        st.loading_blocks = {b for c in chunks for b in c.block_ids[c.skip :]}
+        self._pending_loads.append(LoadJob(request.request_id, chunks, tiers))
+
+    # ------------------------------------------------------------ per step
+    def build_connector_meta(self, scheduler_output) -> KVTierMetadata:
+        meta = KVTierMetadata(loads=self._pending_loads)
+        self._pending_loads = []
+        scheduled = scheduler_output.num_scheduled_tokens
+        for nr in scheduler_output.scheduled_new_reqs:
+            st = self._reqs.get(nr.req_id)
+            if st is None:
+                continue
+            st.block_ids = list(nr.block_ids[0])
+            self._plan_saves(st, nr.num_computed_tokens + scheduled.get(nr.req_id, 0), meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        for i, rid in enumerate(cached.req_ids):
+            st = self._reqs.get(rid)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if rid in resumed:
+                st.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                st.block_ids.extend(new_ids[0])
+            self._plan_saves(st, cached.num_computed_tokens[i] + scheduled.get(rid, 0), meta)
+        return meta
+
+    def _plan_saves(self, st: _Req, computed: int, meta: KVTierMetadata) -> None:
+        """Save every chunk whose KV is complete after this step: full chunks
+        as they fill, and at the end of the prompt its whole-block tail."""
+        req, C, bs = st.request, self.chunk, self.bs
+        whole = min(computed, len(req.all_token_ids)) // bs * bs
+        tokens = req.all_token_ids
+        chunks: list[ChunkIO] = []
+        while st.saved_upto + C <= whole:
+            i = st.saved_upto // C
+            key = self._full_key(st, i, tokens)
+            chunks.append(ChunkIO(key, st.block_ids[i * C // bs : (i + 1) * C // bs]))
+            st.saved_upto += C
+        if not st.tail_saved and computed >= req.num_prompt_tokens and whole > st.saved_upto:
+            i = st.saved_upto // C
+            prev = self._full_key(st, i - 1, tokens) if i else st.root
+            key = next_key(prev, list(tokens[st.saved_upto : whole]))
+            chunks.append(ChunkIO(key, st.block_ids[st.saved_upto // bs : whole // bs]))
+            st.tail_saved = True
+        chunks = [c for c in chunks if len(c.block_ids) * bs == c.key.num_tokens]
+        if chunks:
+            meta.saves.append(SaveJob(req.request_id, chunks))
+
+    def update_connector_output(self, output) -> None:
+        invalid = set(getattr(output, "invalid_block_ids", None) or ())
+        failed_ids = set(getattr(output, "failed_recving", None) or ())
+        for rid in output.finished_recving or ():
+            st = self._reqs.get(rid)
+            if st is None:
+                continue
+            if rid in failed_ids or (st.loading_blocks and st.loading_blocks & invalid):
+                st.failed = True  # never claim again: vLLM would ask once more and loop
+                runtime.counter("load_failed_blocks").inc(len(st.loading_blocks & invalid) if st.loading_blocks else 0)
+            st.loading_blocks = None
+
+    def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
+        st = self._reqs.pop(request.request_id, None)
+        if st is not None and st.lookup is not None:
+            st.lookup.cancel()
+        pf = runtime.pop_prefetch(request.request_id)
+        del pf  # the prefetch owns nothing of the request; let it finish
+        return False, None
+
+    def close(self) -> None:
+        self._lookups.close(cancel_pending=True)
