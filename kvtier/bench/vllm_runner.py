@@ -6,7 +6,8 @@ SPEC: {"model": dir, "kvtier": {kv_connector_extra_config} | null,
        "engine": {extra LLM(...) keyword arguments},
        "phases": [{"name": str, "prompts": [{"tokens": [...], "salt": str|null}],
                    "max_tokens": int, "logprobs": int, "one_by_one": bool,
-                   "reset_prefix_cache": bool}]}
+                   "reset_prefix_cache": bool, "drop_tiers": [tier names],
+                   "drop_page_cache": bool}]}
 OUT:  {"phases": [{"name", "results": [{"tokens", "logprobs", "num_cached_tokens", "ttft_s"}]}],
        "metrics": {name: value}, "kvtier_metrics": {...}}
 
@@ -34,6 +35,23 @@ def _connector_config(extra: dict) -> dict:
     }
 
 
+def _drop_tiers(names, drop_page_cache: bool) -> None:
+    """Empty the named kvtier tiers of this process (so that the next phase is
+    served by a lower tier), and optionally drop the persistent tiers' files
+    from the page cache (so that their reads are cold)."""
+    if not names and not drop_page_cache:
+        return
+    from kvtier.integrations.vllm import runtime
+
+    for store in runtime.stores():
+        store.flush()
+        for tier in store.tiers:
+            if tier.name in names:
+                tier.clear()
+            if drop_page_cache and hasattr(tier, "drop_cache"):
+                tier.drop_cache()
+
+
 def main(spec_path: str, out_path: str) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -56,6 +74,7 @@ def main(spec_path: str, out_path: str) -> int:
         )
         if phase.get("reset_prefix_cache"):
             llm.reset_prefix_cache()
+        _drop_tiers(phase.get("drop_tiers", ()), phase.get("drop_page_cache", False))
         prompts = []
         for p in phase["prompts"]:
             d = {"prompt_token_ids": p["tokens"]}

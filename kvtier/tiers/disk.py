@@ -181,6 +181,15 @@ class DiskTier(FileTier):
             used = self._used
         self.metrics.used(used)
 
+    def clear(self) -> int:
+        """Delete every object of this tier; returns how many."""
+        with self._lock:
+            victims = [path for path, _ in self._index.values()]
+            self._index.clear()
+            self._used = 0
+        self._unlink_victims(victims)
+        return len(victims)
+
     # ------------------------------------------------------------ contract
     def stats(self) -> TierStats:
         with self._lock:

@@ -145,6 +145,16 @@ class MemoryTier(Tier):
         self.metrics.used(used)
         return n
 
+    def clear(self) -> int:
+        """Drop every unpinned entry; returns how many."""
+        with self._lock:
+            victims = [d for d, e in self._entries.items() if e.pins == 0]
+            for d in victims:
+                self._remove(d)
+            used = self._used
+        self.metrics.used(used)
+        return len(victims)
+
     def stats(self) -> TierStats:
         with self._lock:
             return TierStats(self.name, self.kind, len(self._entries), self._used, self.capacity)

@@ -87,3 +87,9 @@ def set_prefetch(req_id: str, fut: Future) -> None:
 def pop_prefetch(req_id: str) -> Future | None:
     with _lock:
         return _prefetches.pop(req_id, None)
+
+
+def stores() -> list[TieredStore]:
+    """The stores open in this process (benchmarks drop tiers between phases)."""
+    with _lock:
+        return [entry[0] for entry in _stores.values()]
