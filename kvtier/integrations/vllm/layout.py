@@ -16,6 +16,7 @@ assumed:
 
 from __future__ import annotations
 
+import ctypes
 from typing import Sequence
 
 import torch
@@ -34,6 +35,10 @@ class BlockLayout:
     def chunk_shape(self, num_blocks: int) -> tuple[int, ...]:
         raise NotImplementedError
 
+    def leading_blocks(self, chunk: torch.Tensor, n: int) -> torch.Tensor:
+        """View of the first ``n`` blocks of a chunk payload."""
+        raise NotImplementedError
+
     def gather(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
         """Copy the pages of ``block_ids`` of every layer into ``out``."""
         raise NotImplementedError
@@ -49,20 +54,60 @@ class BlockLayout:
 
 
 class BlockMajor(BlockLayout):
+    """On the host, pages are copied with ``memmove`` (no torch kernels: those
+    run on OpenMP teams, and a second team in a loader thread fights the
+    engine's own for the cores; measured here: 1.5 s instead of milliseconds
+    for an 8 MiB load while the engine computed)."""
+
     name = "block-major"
+
+    def __init__(self, layers):
+        super().__init__(layers)
+        first = self.layers[0]
+        self.esize = first.element_size()
+        self.page_bytes = first[0].numel() * self.esize
+        self.host = first.device.type == "cpu" and all(
+            t.stride(0) * self.esize >= self.page_bytes and t[0].is_contiguous() for t in self.layers
+        )
 
     def chunk_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (len(self.layers), num_blocks, *self.layers[0].shape[1:])
 
+    def leading_blocks(self, chunk, n):
+        return chunk[:, :n]
+
     def gather(self, block_ids, out) -> None:
+        if self.host and out.device.type == "cpu":
+            self._memmove(block_ids, out, 0, to_engine=False)
+            return
         idx = self._index(block_ids)
         for layer, dst in zip(self.layers, out):
             _select(layer, idx, dst)
 
     def scatter(self, block_ids, src, first: int = 0) -> None:
+        if self.host and src.device.type == "cpu":
+            self._memmove(block_ids, src, first, to_engine=True)
+            return
         idx = self._index(block_ids[first:])
         for layer, part in zip(self.layers, src):
             layer.index_copy_(0, idx, part[first:].to(self.device, non_blocking=False))
+
+    def _memmove(self, block_ids, chunk: torch.Tensor, first: int, to_engine: bool) -> None:
+        """Page copies between engine blocks and a ``[layers, blocks, *page]``
+        host tensor (any view whose pages are contiguous)."""
+        if chunk[0, 0].numel() * self.esize != self.page_bytes or not chunk[0, 0].is_contiguous():
+            raise ValueError("chunk pages are not contiguous")
+        es, pb = self.esize, self.page_bytes
+        c_base, c_l, c_b = chunk.data_ptr(), chunk.stride(0) * es, chunk.stride(1) * es
+        for li, layer in enumerate(self.layers):
+            e_base, e_b = layer.data_ptr(), layer.stride(0) * es
+            for j in range(first, len(block_ids)):
+                engine = e_base + block_ids[j] * e_b
+                mine = c_base + li * c_l + j * c_b
+                if to_engine:
+                    ctypes.memmove(engine, mine, pb)
+                else:
+                    ctypes.memmove(mine, engine, pb)
 
 
 class KVMajor(BlockLayout):
@@ -70,6 +115,9 @@ class KVMajor(BlockLayout):
 
     def chunk_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (len(self.layers), 2, num_blocks, *self.layers[0].shape[2:])
+
+    def leading_blocks(self, chunk, n):
+        return chunk[:, :, :n]
 
     def gather(self, block_ids, out) -> None:
         idx = self._index(block_ids)

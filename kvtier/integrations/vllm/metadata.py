@@ -13,7 +13,9 @@ from kvtier.keys import ChunkKey
 @dataclass
 class ChunkIO:
     key: ChunkKey
-    block_ids: list[int]  # the chunk's engine blocks, in token order
+    # The chunk's engine blocks in token order. For a load this may be fewer
+    # than the chunk holds (the claim ends inside it): only these are written.
+    block_ids: list[int]
     skip: int = 0  # loads: leading blocks the engine already holds (not written)
 
 

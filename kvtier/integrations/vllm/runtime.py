@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future
 
-from prometheus_client import REGISTRY, Counter
+from prometheus_client import REGISTRY, Counter, Histogram
 
 from kvtier.config import StoreConfig
 from kvtier.engine.store import TieredStore
@@ -23,7 +23,7 @@ _lock = threading.Lock()
 _stores: dict[StoreConfig, list] = {}  # config -> [store, refs]
 _prefetches: dict[str, Future] = {}
 _metrics: Metrics | None = None
-_connector_counters: dict[str, Counter] = {}
+_connector_counters: dict = {}
 
 
 def metrics() -> Metrics:
@@ -44,13 +44,31 @@ def metrics() -> Metrics:
                 "Engine blocks kvtier promised but could not load; vLLM recomputed them",
                 registry=REGISTRY,
             )
+            _connector_counters["load_seconds"] = Histogram(
+                "kvtier_vllm_load_seconds",
+                "Time to read a request's chunks (loader thread, before the copy into the engine)",
+                buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+                registry=REGISTRY,
+            )
+            _connector_counters["scatter_seconds"] = Histogram(
+                "kvtier_vllm_scatter_seconds",
+                "Time spent copying loaded chunks into engine blocks per step (engine thread)",
+                buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
+                registry=REGISTRY,
+            )
+            _connector_counters["save_seconds"] = Histogram(
+                "kvtier_vllm_save_seconds",
+                "Time spent gathering a step's finished chunks from the engine (in the forward's critical path)",
+                buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
+                registry=REGISTRY,
+            )
             _connector_counters["saved_chunks"] = Counter(
                 "kvtier_vllm_saved_chunks", "Chunks gathered from the engine and handed to the store", registry=REGISTRY
             )
         return _metrics
 
 
-def counter(name: str) -> Counter:
+def counter(name: str):
     metrics()
     return _connector_counters[name]
 

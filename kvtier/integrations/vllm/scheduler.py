@@ -94,8 +94,10 @@ class KVTierScheduler:
         if usable <= num_computed_tokens:
             return 0, False
         if st.lookup is None or st.lookup_usable != usable:
-            tokens = list(request.all_token_ids[:usable])
-            st.lookup = self._lookups.submit(LOAD, self._lookup, request.request_id, st.root, tokens)
+            # Keys over every known token: a stored chunk that runs past the
+            # usable end still serves its leading blocks.
+            tokens = list(request.all_token_ids[: request.num_tokens])
+            st.lookup = self._lookups.submit(LOAD, self._lookup, request.request_id, st.root, tokens, usable)
             st.lookup_usable = usable
         try:
             hit: _Hit = st.lookup.result(timeout=_LOOKUP_GRACE_S)
@@ -109,16 +111,17 @@ class KVTierScheduler:
             return 0, False
         return hit.tokens - num_computed_tokens, True
 
-    def _lookup(self, req_id: str, root: ChunkKey, tokens: list[int]) -> _Hit:
-        """Longest stored prefix of ``tokens`` (runs on the lookup pool).
+    def _lookup(self, req_id: str, root: ChunkKey, tokens: list[int], usable: int) -> _Hit:
+        """Longest stored prefix of ``tokens`` (runs on the lookup pool), in
+        tokens, capped at ``usable``.
 
         Full chunks first; where they stop, a shorter chunk (whole blocks)
         may hold the rest: the partial tail an earlier, shorter prompt stored.
         """
         C, bs = self.chunk, self.bs
         keys, prev = [], root
-        for start in range(0, len(tokens), C):
-            prev = next_key(prev, tokens[start : start + C])
+        for start in range(0, len(tokens) // bs * bs, C):
+            prev = next_key(prev, tokens[start : min(start + C, len(tokens) // bs * bs)])
             keys.append(prev)
         plan = self.store.lookup(keys)
         hit_keys = keys[: plan.chunks]
@@ -128,7 +131,7 @@ class KVTierScheduler:
             start = plan.chunks * C
             tried = keys[plan.chunks].num_tokens
             base = hit_keys[-1] if hit_keys else root
-            for n in range(min(C, len(tokens) - start) // bs * bs, 0, -bs):
+            for n in range(min(C, usable - start) // bs * bs, 0, -bs):
                 if n == tried:
                     continue
                 k = next_key(base, tokens[start : start + n])
@@ -138,9 +141,14 @@ class KVTierScheduler:
                     tiers.append(sub.segments[0].tier)
                     hit += n
                     break
+        # Drop chunks that start at or past the usable end; the last one kept
+        # may run past it (only its leading blocks are loaded).
+        while hit_keys and hit - hit_keys[-1].num_tokens >= usable:
+            hit -= hit_keys.pop().num_tokens
+            tiers.pop()
         if hit and any(self._tier_kinds.get(t) != "memory" for t in tiers) and self.store.memory is not None:
             runtime.set_prefetch(req_id, self.store.prefetch(hit_keys))
-        return _Hit(hit, hit_keys, tiers)
+        return _Hit(min(hit, usable), hit_keys, tiers)
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
         from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -184,7 +192,8 @@ class KVTierScheduler:
             pos = end
             if end <= lo or start >= hi:
                 continue
-            ids = block_ids[start // self.bs : end // self.bs]
+            # Blocks of this chunk up to the claimed end: the chunk may run past it.
+            ids = block_ids[start // self.bs : min(end, hi) // self.bs]
             chunks.append(ChunkIO(k, ids, skip=(max(start, lo) - start) // self.bs))
             tiers.append(tier)
         st.loading_blocks = {b for c in chunks for b in c.block_ids[c.skip :]}
