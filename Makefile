@@ -6,7 +6,6 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 SYSDEPS := .sysdeps.installed
 DEMO_DIR ?= .demo-store
-DEMO_SIZE ?= 1GiB
 
 .PHONY: demo test venv sysdeps clean
 
@@ -22,15 +21,16 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
 	touch $@
 
-# Debian packages the benchmarks and tests use: fio (storage limit).
+# Debian packages the benchmarks and tests use: fio (storage limit) and
+# tcmalloc (vLLM on CPU prefills faster with it preloaded).
 sysdeps:
-	@command -v fio >/dev/null 2>&1 || { \
-	  echo "installing fio (Debian package)"; \
-	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fio) >/dev/null \
-	  || { echo "could not install fio: run 'apt-get install fio' as root"; exit 1; }; }
+	@{ command -v fio >/dev/null 2>&1 && [ -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 -o -e /usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4 ]; } || { \
+	  echo "installing fio and libtcmalloc-minimal4 (Debian packages)"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fio libtcmalloc-minimal4) >/dev/null \
+	  || { echo "could not install them: run 'apt-get install fio libtcmalloc-minimal4' as root"; exit 1; }; }
 
 demo: venv sysdeps
-	$(VENV)/bin/kvtier bench storage --dir $(DEMO_DIR) --size $(DEMO_SIZE) --json $(DEMO_DIR)/storage.json
+	$(VENV)/bin/kvtier demo --dir $(DEMO_DIR) --json $(DEMO_DIR)/demo.json
 
 test: venv sysdeps
 	$(PY) -m pytest -q -ra

@@ -27,6 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from kvtier.bench.engine_env import engine_env
 from kvtier.bench.tinymodels import PRESETS, build_config_only
 
 
@@ -83,7 +84,7 @@ def run(workdir: Path, preset: str = "qwen2.5-0.5b", sessions: int = 4, tokens: 
             f"engine log: {engine_log}")
         with open(engine_log, "w") as f:
             proc = subprocess.run([sys.executable, "-m", "kvtier.bench.vllm_runner", str(spec_path), str(out_path)],
-                                  stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s)
+                                  stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s, env=engine_env())
         if proc.returncode != 0:
             tail = engine_log.read_text()[-3000:]
             raise RuntimeError(f"the engine failed (exit {proc.returncode}); end of its log:\n{tail}")

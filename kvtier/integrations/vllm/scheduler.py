@@ -50,7 +50,18 @@ class _Req:
     saved_upto: int = 0  # tokens (chunk-aligned) already in kvtier
     tail_saved: bool = False
     loading_blocks: set[int] | None = None
-    failed: bool = False
+    failed: bool = False  # a load failed, or the request is not cacheable: never claim
+
+
+def _cacheable(request) -> bool:
+    """Token ids alone identify the KV only for plain text requests: images
+    (placeholder tokens), LoRA adapters and prompt embeddings change KV
+    without changing token ids, so such requests bypass kvtier entirely."""
+    return not (
+        getattr(request, "mm_features", None)
+        or getattr(request, "lora_request", None)
+        or getattr(request, "prompt_embeds", None) is not None
+    )
 
 
 class KVTierScheduler:
@@ -74,6 +85,7 @@ class KVTierScheduler:
             if root is None:
                 root = self._roots[salt] = root_key(self.settings.namespace.with_salt(salt).digest())
             st = self._reqs[request.request_id] = _Req(request, root)
+            st.failed = not _cacheable(request)
         st.request = request
         return st
 
@@ -227,6 +239,8 @@ class KVTierScheduler:
     def _plan_saves(self, st: _Req, computed: int, meta: KVTierMetadata) -> None:
         """Save every chunk whose KV is complete after this step: full chunks
         as they fill, and at the end of the prompt its whole-block tail."""
+        if not _cacheable(st.request):
+            return
         req, C, bs = st.request, self.chunk, self.bs
         whole = min(computed, len(req.all_token_ids)) // bs * bs
         tokens = req.all_token_ids
