@@ -1,0 +1,165 @@
+"""The connector's scheduler side, run without an engine: real TieredStore,
+plain objects standing in for vLLM's Request / KVCacheBlocks / SchedulerOutput
+(only the attributes the scheduler reads). Engine behaviour itself is tested
+end to end in test_e2e.py."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from kvtier.codec import encode
+from kvtier.config import parse_store_config
+from kvtier.engine.store import TieredStore
+from kvtier.integrations.vllm.scheduler import KVTierScheduler
+from kvtier.integrations.vllm.settings import Settings
+from kvtier.keys import Namespace, next_key, root_key
+
+BS, C = 4, 8  # engine block size, chunk tokens
+NS = Namespace("m", "fp", "float32", "test", 1, 1, 4, chunk_tokens=C)
+
+
+@pytest.fixture
+def sched():
+    cfg = parse_store_config({"tiers": ["memory://?capacity=64MiB"], "chunk_tokens": C})
+    store = TieredStore(cfg)
+    s = KVTierScheduler(Settings(cfg, NS, BS, 1, "float32"), store, {"memory": "memory"})
+    yield s
+    s.close()
+    store.close()
+
+
+def request(rid, tokens, prompt=None, salt=None, **kw):
+    return SimpleNamespace(
+        request_id=rid, all_token_ids=list(tokens), num_tokens=len(tokens),
+        num_prompt_tokens=len(tokens) if prompt is None else prompt, cache_salt=salt,
+        mm_features=kw.get("mm"), lora_request=kw.get("lora"), prompt_embeds=None,
+    )
+
+
+def store_chunks(s, tokens, lengths, salt=""):
+    """Put chunks of the given lengths (consecutive) into the store."""
+    prev, pos = root_key(NS.with_salt(salt).digest()), 0
+    for n in lengths:
+        k = next_key(prev, tokens[pos : pos + n])
+        s.store.put([encode(k, "float32", (1, n // BS, 1, 2 * BS, 4), bytes(n * 32))])
+        prev = k if n == C else prev
+        pos += n
+
+
+def ask(s, req, local=0):
+    deadline = time.monotonic() + 5
+    while True:
+        n, is_async = s.get_num_new_matched_tokens(req, local)
+        if n is not None or time.monotonic() > deadline:
+            return n, is_async
+
+
+class Blocks:
+    def __init__(self, ids):
+        self.ids = ids
+
+    def get_block_ids(self):
+        return (self.ids,)
+
+
+def output(new=(), cached=None, scheduled=None):
+    cached = cached or SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set())
+    return SimpleNamespace(scheduled_new_reqs=list(new), scheduled_cached_reqs=cached, num_scheduled_tokens=scheduled or {})
+
+
+TOK = list(range(3, 40))
+
+
+def test_miss_claims_nothing(sched):
+    assert ask(sched, request("a", TOK[:20])) == (0, False)
+
+
+def test_full_chunk_hit_is_claimed_async_and_planned_as_a_load(sched):
+    store_chunks(sched, TOK, [C, C])
+    req = request("a", TOK[:20])  # usable = 16: two full chunks
+    assert ask(sched, req) == (16, True)
+    sched.update_state_after_alloc(req, Blocks([10, 11, 12, 13, 14]), 16)
+    meta = sched.build_connector_meta(output())
+    (job,) = meta.loads
+    assert [c.block_ids for c in job.chunks] == [[10, 11], [12, 13]]
+    assert [c.skip for c in job.chunks] == [0, 0]
+    assert sched.build_connector_meta(output()).loads == []  # handed over once
+
+
+def test_engine_local_hit_is_not_claimed_again_and_its_blocks_are_skipped(sched):
+    store_chunks(sched, TOK, [C, C])
+    req = request("a", TOK[:20])
+    assert ask(sched, req, local=4) == (12, True)  # vLLM holds block 0 itself
+    sched.update_state_after_alloc(req, Blocks([10, 11, 12, 13, 14]), 12)
+    (job,) = sched.build_connector_meta(output()).loads
+    assert [(c.block_ids, c.skip) for c in job.chunks] == [([10, 11], 1), ([12, 13], 0)]
+    assert ask(sched, request("b", TOK[:20]), local=16) == (0, False)
+
+
+def test_a_partial_tail_stored_by_a_shorter_prompt_is_found(sched):
+    store_chunks(sched, TOK, [C, 4])  # chunk 0 full, then a 4-token tail
+    assert ask(sched, request("a", TOK[:22])) == (12, True)
+
+
+def test_a_chunk_running_past_the_usable_end_serves_its_leading_blocks(sched):
+    store_chunks(sched, TOK, [C, C, C])
+    req = request("a", TOK[:24])  # usable = 20 (one token must be computed)
+    assert ask(sched, req) == (20, True)
+    sched.update_state_after_alloc(req, Blocks(list(range(20, 26))), 20)
+    (job,) = sched.build_connector_meta(output()).loads
+    assert [c.block_ids for c in job.chunks] == [[20, 21], [22, 23], [24]]
+    assert job.chunks[2].key.num_tokens == C
+
+
+def test_salt_separates_tenants(sched):
+    store_chunks(sched, TOK, [C, C], salt="alice")
+    assert ask(sched, request("a", TOK[:20], salt="bob")) == (0, False)
+    assert ask(sched, request("b", TOK[:20], salt="alice")) == (16, True)
+    assert ask(sched, request("c", TOK[:20])) == (0, False)
+
+
+def test_multimodal_and_lora_requests_bypass_kvtier(sched):
+    store_chunks(sched, TOK, [C, C])
+    assert ask(sched, request("a", TOK[:20], mm=[object()])) == (0, False)
+    assert ask(sched, request("b", TOK[:20], lora=object())) == (0, False)
+
+
+def test_saves_full_chunks_as_they_fill_and_the_prompt_tail(sched):
+    req = request("a", TOK[:22])  # prompt of 22: chunks [0,8) [8,16), tail [16,20)
+    assert ask(sched, req) == (0, False)
+    sched.update_state_after_alloc(req, Blocks([]), 0)
+    new = SimpleNamespace(req_id="a", block_ids=([5, 6, 7, 8, 9, 10],), num_computed_tokens=0)
+    meta = sched.build_connector_meta(output([new], scheduled={"a": 12}))  # chunked prefill: 12 tokens
+    (job,) = meta.saves
+    assert [(c.key.num_tokens, c.block_ids) for c in job.chunks] == [(8, [5, 6])]
+    cached = SimpleNamespace(req_ids=["a"], new_block_ids=[None], num_computed_tokens=[12], resumed_req_ids=set())
+    (job,) = sched.build_connector_meta(output(cached=cached, scheduled={"a": 10})).saves
+    assert [(c.key.num_tokens, c.block_ids) for c in job.chunks] == [(8, [7, 8]), (4, [9])]
+    # The saved chunks are the ones a later lookup computes.
+    keys = [c.key for c in meta.saves[0].chunks + job.chunks]
+    for k, blocks in zip(keys, ([5, 6], [7, 8], [9])):
+        sched.store.put([encode(k, "float32", (1, len(blocks), 1, 2 * BS, 4), bytes(k.num_tokens * 32))])
+    assert ask(sched, request("b", TOK[:22])) == (20, True)
+
+
+def test_chunks_already_in_kvtier_are_not_saved_again(sched):
+    store_chunks(sched, TOK, [C])
+    req = request("a", TOK[:20])
+    assert ask(sched, req) == (8, True)
+    sched.update_state_after_alloc(req, Blocks([1, 2, 3, 4, 5]), 8)
+    new = SimpleNamespace(req_id="a", block_ids=([1, 2, 3, 4, 5],), num_computed_tokens=8)
+    (job,) = sched.build_connector_meta(output([new], scheduled={"a": 12})).saves
+    assert [c.block_ids for c in job.chunks] == [[3, 4], [5]]
+
+
+def test_after_a_failed_load_the_request_is_never_claimed_again(sched):
+    store_chunks(sched, TOK, [C, C])
+    req = request("a", TOK[:20])
+    assert ask(sched, req) == (16, True)
+    sched.update_state_after_alloc(req, Blocks([10, 11, 12, 13, 14]), 16)
+    sched.build_connector_meta(output())
+    sched.update_connector_output(SimpleNamespace(finished_recving={"a"}, invalid_block_ids={12}, failed_recving=set()))
+    assert ask(sched, req) == (0, False)  # vLLM asks again after a failure: answer 0, or it loops
