@@ -190,9 +190,10 @@ class KVTierScheduler:
         st = self._state(request)
         block_ids = list(blocks.get_block_ids()[0])
         hit: _Hit | None = st.lookup.result() if st.lookup is not None and st.lookup.done() else None
-        if hit is not None:
+        if hit is not None and not st.failed:
             # Chunks kvtier already holds need no save; a partial last chunk
-            # is saved again once its full version exists.
+            # is saved again once its full version exists. (Not after a failed
+            # load: the hit was not there after all.)
             full = [k for k in hit.keys if k.num_tokens == self.chunk]
             st.saved_upto = max(st.saved_upto, len(full) * self.chunk)
         if num_external_tokens <= 0 or hit is None:
@@ -269,6 +270,10 @@ class KVTierScheduler:
                 continue
             if rid in failed_ids or (st.loading_blocks and st.loading_blocks & invalid):
                 st.failed = True  # never claim again: vLLM would ask once more and loop
+                # What could not be loaded (corrupt, evicted, truncated) is
+                # recomputed now: save it again, or the hole stays for the
+                # next request with this prefix.
+                st.saved_upto, st.tail_saved = 0, False
                 runtime.counter("load_failed_blocks").inc(len(st.loading_blocks & invalid) if st.loading_blocks else 0)
             st.loading_blocks = None
 
