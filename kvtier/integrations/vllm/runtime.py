@@ -35,7 +35,7 @@ def metrics() -> Metrics:
             _metrics = Metrics(REGISTRY)
             _connector_counters["external_hit_tokens"] = Counter(
                 "kvtier_vllm_external_hit_tokens",
-                "Tokens vLLM took from kvtier instead of computing them, by tier that held them at lookup",
+                "Tokens kvtier promised vLLM at admission (vLLM counts the same in external_prefix_cache_hits), by the tier that held them at lookup; failed loads are in kvtier_vllm_load_failed_blocks",
                 ["tier"],
                 registry=REGISTRY,
             )
