@@ -10,6 +10,7 @@ docs/vllm.md for what that means.
 
 from __future__ import annotations
 
+import atexit
 import threading
 from concurrent.futures import Future
 
@@ -111,3 +112,15 @@ def stores() -> list[TieredStore]:
     """The stores open in this process (benchmarks drop tiers between phases)."""
     with _lock:
         return [entry[0] for entry in _stores.values()]
+
+
+@atexit.register
+def _close_all() -> None:
+    """At interpreter exit, drain every store's write-through (bounded by its
+    close timeout) so that an engine that exits without calling the
+    connector's ``shutdown`` still publishes what it saved."""
+    with _lock:
+        entries = list(_stores.values())
+        _stores.clear()
+    for store, _ in entries:
+        store.close()
