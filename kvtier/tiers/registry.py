@@ -16,10 +16,12 @@ _KINDS: dict[str, tuple[str, str, str | None]] = {
     "memory": ("kvtier.tiers.memory", "MemoryTier", None),
     "disk": ("kvtier.tiers.disk", "DiskTier", None),
     "shared": ("kvtier.tiers.shared", "SharedTier", None),
+    "redis": ("kvtier.tiers.redis", "RedisTier", "redis"),
+    "s3": ("kvtier.tiers.s3", "S3Tier", "s3"),
 }
 
 # URL location field per kind: what ``kind://LOCATION`` fills in.
-_LOCATION_FIELD = {"memory": None, "disk": "path", "shared": "path"}
+_LOCATION_FIELD = {"memory": None, "disk": "path", "shared": "path", "redis": "address", "s3": "location"}
 _ALIASES = {"file": "shared", "dir": "shared"}
 
 
