@@ -1,0 +1,455 @@
+"""Redis/Valkey tier: one Redis string per chunk, on one server or a cluster.
+
+Names (only hex digests; no token, model or tenant text)::
+
+    <key_prefix><ns:16 hex>:<key:64 hex>     the encoded chunk object
+    {<key_prefix>idx}:lru                    sorted set: object name -> access sequence
+    {<key_prefix>idx}:size                   hash: object name -> bytes
+    {<key_prefix>idx}:used                   bytes accounted
+    {<key_prefix>idx}:seq                    access counter (scores of ``lru``)
+
+- Atomic publication: each object is written by one ``SET``; a reader gets the
+  whole value or nothing. Reads verify it (``codec.decode``); a bad value is a
+  miss, counted, and deleted.
+- Check before write: ``EXISTS`` (pipelined) first, so an object another
+  instance already published costs no upload.
+- Capacity: kvtier keeps its own byte budget per ``key_prefix`` (shared by
+  every instance that uses the prefix) in the index keys above. A Lua script
+  admits a batch atomically: it adds the new names, pops the least recently
+  used names until the budget holds, and returns them; the client deletes
+  those objects, then writes the new ones. Reads bump the access sequence.
+  The index keys share one hash tag, so in a cluster they live in one slot and
+  the scripts stay atomic; objects carry no hash tag and spread over all slots.
+  The index can only over-count (a name whose object Redis evicted or expired
+  stays accounted until it ages out of the LRU end), so kvtier never holds more
+  than ``capacity``, except for victims of a client that died between the
+  script and its deletes: ``ttl_s`` or Redis' own ``maxmemory`` policy (the
+  operator's backstop, see docs/deploy.md) reclaims those.
+- Trouble: socket timeouts on every call, no client-side retries (the breaker
+  and recompute are the retry), a circuit breaker around every operation.
+
+Threads: reads, lookups, stores and deletes run on this tier's own
+``PriorityExecutor``; the client (and, for a cluster, its slot map) is made
+on first use, never in the constructor, so a server that is down at start
+degrades like one that fails later.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import redis
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+from redis.retry import Retry
+
+from kvtier.buffers import align_up
+from kvtier.codec import HEADER_BLOCK, MAX_PAYLOAD, ChunkObject, decode
+from kvtier.config import ConfigError, opt, size_field
+from kvtier.engine.executor import DELETE, LOAD, STORE, PriorityExecutor
+from kvtier.errors import CorruptObject
+from kvtier.keys import ChunkKey
+from kvtier.tiers.base import Tier, TierStats
+from kvtier.tiers.files import ReadStream
+from kvtier.tiers.filetier import key_of
+
+log = logging.getLogger(__name__)
+
+_DEFAULT_BYTES_PER_TOKEN = 16 << 10
+
+
+@dataclass(frozen=True)
+class RedisConfig:
+    address: str = opt("", "host:port of the server, or of any cluster node (comma-separated for several)")
+    capacity: int = size_field(0, "bytes kvtier may keep under key_prefix (required; enforced by kvtier itself)")
+    name: str = opt("redis", "tier name in metrics and logs")
+    db: int = opt(0, "database number (0 on a cluster)")
+    username: str = opt("", "ACL user name (empty: default user)")
+    password: str = field(default="", repr=False, metadata={"doc": "password (never logged; prefer KVTIER_* env or a file readable only by kvtier)"})
+    tls: bool = opt(False, "connect with TLS")
+    tls_ca_file: str = opt("", "CA bundle that signs the server certificate (empty: system store)")
+    cluster: bool = opt(False, "talk to a Redis Cluster (objects spread over all slots)")
+    key_prefix: str = opt("kvtier:v1:", "prefix of every key kvtier writes; one capacity budget per prefix")
+    ttl_s: float | None = opt(None, "expire objects not read for this long (optional; reads refresh it)")
+    socket_timeout_s: float = opt(1.0, "timeout of every command")
+    connect_timeout_s: float = opt(1.0, "timeout of connecting")
+    pool_size: int = opt(32, "connections per server (at least io_threads + 4)")
+    io_threads: int = opt(16, "threads of this tier's I/O pool")
+    read_window_bytes: int = size_field(64 << 20, "bytes of reads in flight per load")
+
+    def validate(self, prefix: str = "") -> None:
+        if not self.address:
+            raise ConfigError(f"{prefix}address", "is required", "set it, e.g. redis://10.0.0.5:6379?capacity=64GiB")
+        if "@" in self.address or "/" in self.address:
+            raise ConfigError(f"{prefix}address", "must be host:port only", "put credentials in username/password, never in the address")
+        for i, node in enumerate(self.nodes()):
+            if node is None:
+                raise ConfigError(f"{prefix}address", f"cannot read node {i} as host:port", "write e.g. 10.0.0.5:6379")
+        if self.capacity <= 0:
+            raise ConfigError(f"{prefix}capacity", "must be set", "set how much kvtier may keep in Redis, e.g. capacity: 64GiB")
+        if self.cluster and self.db != 0:
+            raise ConfigError(f"{prefix}db", "a cluster has only database 0", "remove db or set it to 0")
+        if not self.key_prefix or "{" in self.key_prefix or "}" in self.key_prefix:
+            raise ConfigError(f"{prefix}key_prefix", "must be non-empty and hold no braces (hash tags)", "use e.g. kvtier:v1:")
+        for name in ("socket_timeout_s", "connect_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{prefix}{name}", "must be positive", "use e.g. 1.0")
+        if self.ttl_s is not None and self.ttl_s <= 0:
+            raise ConfigError(f"{prefix}ttl_s", "must be positive", "remove it or set seconds, e.g. 86400")
+        if self.io_threads <= 0:
+            raise ConfigError(f"{prefix}io_threads", "must be positive", "use e.g. 16")
+        if self.pool_size < self.io_threads + 4:
+            raise ConfigError(f"{prefix}pool_size", f"must be at least io_threads + 4 ({self.io_threads + 4})", "raise pool_size")
+        if self.read_window_bytes <= 0:
+            raise ConfigError(f"{prefix}read_window_bytes", "must be positive", "use e.g. 64MiB")
+
+    def nodes(self) -> list[tuple[str, int] | None]:
+        out: list[tuple[str, int] | None] = []
+        for part in self.address.split(","):
+            host, _, port = part.strip().rpartition(":")
+            host = host.strip("[]")
+            out.append((host, int(port)) if host and port.isdigit() else None)
+        return out
+
+
+# KEYS: lru, size, seq, used. ARGV: capacity, then name, bytes per object.
+# Returns {status per admitted object (1 new, 0 already indexed), victims,
+# used, count}; it stops at an object larger than the whole capacity.
+_ADMIT = """
+local cap = tonumber(ARGV[1])
+local used = tonumber(redis.call('GET', KEYS[4]) or '0')
+local status, victims = {}, {}
+for i = 2, #ARGV, 2 do
+  local m, size = ARGV[i], tonumber(ARGV[i + 1])
+  local seq = redis.call('INCR', KEYS[3])
+  if redis.call('ZSCORE', KEYS[1], m) then
+    redis.call('ZADD', KEYS[1], seq, m)
+    status[#status + 1] = 0
+  else
+    if size > cap then break end
+    while used + size > cap do
+      local v = redis.call('ZPOPMIN', KEYS[1])
+      if #v == 0 then break end
+      used = used - tonumber(redis.call('HGET', KEYS[2], v[1]) or '0')
+      redis.call('HDEL', KEYS[2], v[1])
+      victims[#victims + 1] = v[1]
+    end
+    redis.call('ZADD', KEYS[1], seq, m)
+    redis.call('HSET', KEYS[2], m, size)
+    used = used + size
+    status[#status + 1] = 1
+  end
+end
+if used < 0 then used = 0 end
+redis.call('SET', KEYS[4], used)
+return {status, victims, used, redis.call('ZCARD', KEYS[1])}
+"""
+
+# KEYS: lru, seq. ARGV: names read. Makes them the most recent, in order.
+_TOUCH = """
+for i = 1, #ARGV do
+  redis.call('ZADD', KEYS[1], 'XX', redis.call('INCR', KEYS[2]), ARGV[i])
+end
+return 0
+"""
+
+# KEYS: lru, size, used. ARGV: names deleted. Returns {used, count}.
+_FORGET = """
+local used = tonumber(redis.call('GET', KEYS[3]) or '0')
+for i = 1, #ARGV do
+  if redis.call('ZREM', KEYS[1], ARGV[i]) == 1 then
+    used = used - tonumber(redis.call('HGET', KEYS[2], ARGV[i]) or '0')
+    redis.call('HDEL', KEYS[2], ARGV[i])
+  end
+end
+if used < 0 then used = 0 end
+redis.call('SET', KEYS[3], used)
+return {used, redis.call('ZCARD', KEYS[1])}
+"""
+
+
+class RedisTier(Tier):
+    kind = "redis"
+    Config = RedisConfig
+
+    def __init__(self, config: RedisConfig, metrics=None, breaker=None, pool=None):
+        super().__init__(config, metrics, breaker, pool)
+        self.capacity = config.capacity
+        self.executor = PriorityExecutor(self.name, config.io_threads)
+        tag = "{" + config.key_prefix + "idx}"
+        self._lru, self._size, self._seq, self._used = (f"{tag}:{s}" for s in ("lru", "size", "seq", "used"))
+        self._client_lock = threading.Lock()
+        self._client: Any = None
+        self._scripts: dict[str, Any] = {}
+        self._closed = False
+        self._bytes_per_token = _DEFAULT_BYTES_PER_TOKEN
+        self._last_stats = (0, 0)  # objects, bytes: answered while the server is unreachable
+
+    # ------------------------------------------------------------ client
+    def _redis(self):
+        """The client, made on first use (a cluster client maps slots then)."""
+        with self._client_lock:
+            if self._closed:
+                raise RedisError("tier is closed")
+            if self._client is None:
+                self._client = self._connect()
+                self._scripts = {
+                    n: self._client.register_script(s) for n, s in (("admit", _ADMIT), ("touch", _TOUCH), ("forget", _FORGET))
+                }
+            return self._client
+
+    def _connect(self):
+        c = self.config
+        common: dict[str, Any] = dict(
+            username=c.username or None,
+            password=c.password or None,
+            socket_timeout=c.socket_timeout_s,
+            socket_connect_timeout=c.connect_timeout_s,
+            retry=Retry(NoBackoff(), 0),  # no hidden retries: the breaker and recompute are ours
+        )
+        if c.tls and c.tls_ca_file:
+            common["ssl_ca_certs"] = c.tls_ca_file
+        if c.cluster:
+            from redis.cluster import ClusterNode, RedisCluster
+
+            nodes = [ClusterNode(h, p) for h, p in c.nodes()]  # type: ignore[misc]
+            return RedisCluster(startup_nodes=nodes, ssl=c.tls, max_connections=c.pool_size, **common)
+        host, port = c.nodes()[0]  # type: ignore[misc]
+        pool = redis.BlockingConnectionPool(
+            host=host,
+            port=port,
+            db=c.db,
+            max_connections=c.pool_size,
+            timeout=c.connect_timeout_s,  # wait for a free connection at most this long
+            connection_class=redis.SSLConnection if c.tls else redis.Connection,
+            **common,
+        )
+        return redis.Redis(connection_pool=pool)
+
+    def _name(self, key: ChunkKey) -> bytes:
+        return f"{self.config.key_prefix}{key.ns[:8].hex()}:{key.digest.hex()}".encode()
+
+    def _guard(self, ok: bool, op: str) -> None:
+        self.breaker.record(ok)
+        self.metrics.breaker(self.breaker.state != "closed")
+        if not ok:
+            self.metrics.error(op)
+
+    # ------------------------------------------------------------ lookup
+    def lookup(self, keys: Sequence[ChunkKey], timeout: float | None = None) -> int:
+        """One pipelined ``EXISTS`` per key (one round trip per server); the
+        answer is the leading run of hits."""
+        if not keys or not self.breaker.allow():
+            return 0
+        t0 = time.perf_counter()
+        fut = self.executor.submit(LOAD, self._exists, [self._name(k) for k in keys])
+        try:
+            found = fut.result(timeout)
+            ok = True
+        except FutureTimeout:
+            fut.cancel()
+            log.warning("tier %s: lookup timed out after %.1fs; treating as a miss", self.name, timeout)
+            found, ok = [], False
+        except RedisError as exc:
+            log.warning("tier %s: lookup failed (%s); treating as a miss", self.name, exc)
+            found, ok = [], False
+        self._guard(ok, "lookup")
+        self.metrics.observe("lookup", time.perf_counter() - t0)
+        n = 0
+        for hit in found:
+            if not hit:
+                break
+            n += 1
+        return n
+
+    def _exists(self, names: Sequence[bytes]) -> list[bool]:
+        pipe = self._redis().pipeline(transaction=False)
+        for name in names:
+            pipe.exists(name)
+        return [bool(x) for x in pipe.execute()]
+
+    # ------------------------------------------------------------ fetch
+    def fetch(self, keys: Sequence[ChunkKey], timeout: float | None = None) -> Iterator[ChunkObject]:
+        if not keys:
+            return iter(())
+        if not self.breaker.allow():
+            self.metrics.miss(len(keys))
+            return iter(())
+        stream = ReadStream(self.executor, keys, self._read_one, self.config.read_window_bytes, lambda: self._bytes_per_token)
+        return self._drain(stream, keys, timeout)
+
+    def _drain(self, stream: ReadStream, keys: Sequence[ChunkKey], timeout: float | None) -> Iterator[ChunkObject]:
+        served = 0
+        try:
+            for obj in stream.iter(timeout):
+                served += 1
+                self.metrics.hit(1, obj.header.num_tokens, obj.nbytes)
+                yield obj
+        finally:
+            if stream.failed is not None:
+                kind = "timed out" if isinstance(stream.failed, FutureTimeout) else f"failed: {stream.failed}"
+                log.warning("tier %s: read %s; the rest is recomputed", self.name, kind)
+                self._guard(False, "load")
+            else:  # a clean miss is a healthy answer too (and ends a half-open probe)
+                self._guard(True, "load")
+            self.metrics.miss(len(keys) - served)
+            if served and stream.failed is None:
+                self._touch([self._name(k) for k in keys[:served]])
+
+    def _touch(self, names: list[bytes]) -> None:
+        """Record the reads in the access index (one script call per fetch)."""
+        try:
+            client = self._redis()
+            self._scripts["touch"](keys=[self._lru, self._seq], args=names, client=client)
+        except RedisError as exc:
+            log.warning("tier %s: access stamp failed (%s)", self.name, exc)
+            self.metrics.error("touch")
+
+    def _read_one(self, key: ChunkKey) -> ChunkObject | None:
+        """GET and verify one object into a pooled buffer (runs on the pool).
+        Raises RedisError for trouble; the stream ends there."""
+        t0 = time.perf_counter()
+        name = self._name(key)
+        client = self._redis()
+        ttl = self.config.ttl_s
+        value = client.getex(name, px=int(ttl * 1000)) if ttl else client.get(name)
+        if value is None:
+            return None
+        n = len(value)
+        try:
+            if n < HEADER_BLOCK or n > HEADER_BLOCK + MAX_PAYLOAD:
+                raise CorruptObject(f"value size {n} out of range")
+            buf = self.pool.get(align_up(n))
+            try:
+                buf[:n] = value
+                obj = decode(buf, key, n, self.pool)
+                if obj.header.object_len != n:
+                    raise CorruptObject(f"value is {n} B, the object {obj.header.object_len} B")
+            except BaseException:
+                self.pool.put(buf)
+                raise
+        except CorruptObject as exc:
+            log.warning("tier %s: object %s failed verification (%s); deleted", self.name, key.hex[:16], exc)
+            self.metrics.corrupt()
+            # Its index entry stays and ages out like any stale name (see above).
+            client.delete(name)
+            return None
+        self._bytes_per_token = max(1, n // max(1, key.num_tokens))
+        self.metrics.observe("read", time.perf_counter() - t0)
+        return obj
+
+    # ------------------------------------------------------------ store
+    def store(self, objs: Sequence[ChunkObject]) -> int:
+        """Admit, evict, write (synchronous; ``store_async`` runs it on the
+        pool). Returns how many leading objects were admitted and written."""
+        if not objs:
+            return 0
+        if not self.breaker.allow():
+            self.metrics.dropped("breaker_open", len(objs))
+            return 0
+        t0 = time.perf_counter()
+        try:
+            n = self._store(objs)
+        except RedisError as exc:
+            log.warning("tier %s: store failed (%s); %d chunks dropped", self.name, exc, len(objs))
+            self._guard(False, "store")
+            self.metrics.dropped("error", len(objs))
+            return 0
+        self._guard(True, "store")
+        self.metrics.observe("write", time.perf_counter() - t0)
+        if n < len(objs):
+            self.metrics.dropped("capacity", len(objs) - n)
+        return n
+
+    def _store(self, objs: Sequence[ChunkObject]) -> int:
+        client = self._redis()
+        names = [self._name(key_of(o)) for o in objs]
+        exists = self._exists(names)
+        args: list[Any] = [self.capacity]
+        for name, obj in zip(names, objs):
+            args += [name, obj.nbytes]
+        status, victims, used, count = self._scripts["admit"](
+            keys=[self._lru, self._size, self._seq, self._used], args=args, client=client
+        )
+        self._last_stats = (int(count), int(used))
+        self.metrics.used(int(used))
+        admitted = len(status)
+        gone = set(victims)
+        pipe = client.pipeline(transaction=False)
+        for v in victims:  # first make room, then write: usage never passes capacity
+            pipe.delete(v)
+        if victims:
+            pipe.execute()
+            self.metrics.evicted(len(victims))
+        ttl_ms = int(self.config.ttl_s * 1000) if self.config.ttl_s else None
+        wrote: list[ChunkObject] = []
+        for name, obj, there in zip(names[:admitted], objs[:admitted], exists[:admitted]):
+            if there:
+                self.metrics.skipped()
+                if ttl_ms:
+                    pipe.pexpire(name, ttl_ms)
+            elif name not in gone:  # not already evicted by a later object of this batch
+                pipe.set(name, obj.buf, px=ttl_ms)  # one atomic SET of the whole object
+                wrote.append(obj)
+        pipe.execute()
+        for obj in wrote:
+            self.metrics.wrote(obj.nbytes)
+        return admitted
+
+    def store_async(self, objs: Sequence[ChunkObject]):
+        return self.executor.submit(STORE, self.store, objs)
+
+    # ------------------------------------------------------------ delete, stats
+    def delete(self, keys: Sequence[ChunkKey]) -> int:
+        if not keys or not self.breaker.allow():
+            return 0
+        try:
+            n = self.executor.submit(DELETE, self._delete_now, keys).result()
+        except RedisError as exc:
+            log.warning("tier %s: delete failed (%s)", self.name, exc)
+            self._guard(False, "delete")
+            return 0
+        self._guard(True, "delete")
+        return n
+
+    def _delete_now(self, keys: Sequence[ChunkKey]) -> int:
+        client = self._redis()
+        names = [self._name(k) for k in keys]
+        pipe = client.pipeline(transaction=False)
+        for name in names:
+            pipe.delete(name)
+        n = sum(int(x) for x in pipe.execute())
+        used, count = self._scripts["forget"](keys=[self._lru, self._size, self._used], args=names, client=client)
+        self._last_stats = (int(count), int(used))
+        self.metrics.used(int(used))
+        return n
+
+    def stats(self) -> TierStats:
+        """Usage of the whole prefix (every instance's objects), from the
+        index; the last known figures while the server is unreachable."""
+        if self.breaker.allow():
+            try:
+                pipe = self._redis().pipeline(transaction=False)
+                pipe.zcard(self._lru)
+                pipe.get(self._used)
+                count, used = pipe.execute()
+                self._last_stats = (int(count), int(used or 0))
+                self.breaker.record(True)
+            except RedisError as exc:
+                log.warning("tier %s: stats failed (%s)", self.name, exc)
+                self._guard(False, "stats")
+        objects, used = self._last_stats
+        return TierStats(self.name, self.kind, objects, used, self.capacity)
+
+    def close(self) -> None:
+        self.executor.close()
+        with self._client_lock:
+            self._closed = True
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
