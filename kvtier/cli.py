@@ -90,6 +90,29 @@ def cmd_bench_storage(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_resume(args: argparse.Namespace) -> int:
+    from kvtier.bench import resume
+    from kvtier.bench.tinymodels import PRESETS
+
+    if args.model not in PRESETS:
+        raise ConfigError("--model", f"unknown model preset {args.model!r}", f"use one of: {', '.join(PRESETS)}")
+    unknown = [c for c in args.configs if c not in resume.CONFIGS]
+    if unknown:
+        raise ConfigError("--configs", f"unknown configuration {unknown[0]!r}", f"use some of: {', '.join(resume.CONFIGS)}")
+    cfg = resume.ResumeConfig(
+        workdir=Path(args.dir), model=args.model, contexts=args.contexts, sessions=args.sessions,
+        configs=tuple(args.configs), dummy_weights=not args.checkpoint,
+    )
+    summary = resume.run(cfg, progress=_progress_factory(not args.no_progress))
+    print(resume.format_table(summary))
+    paths = resume.write_report(summary, Path(args.dir) / "report")
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+        paths.append(Path(args.json))
+    print("\nwrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from kvtier.bench import demo
 
@@ -266,6 +289,28 @@ def build_parser() -> argparse.ArgumentParser:
     dm.add_argument("--tokens", type=int, default=2048, help="tokens per session (default 2048)")
     dm.add_argument("--json", help="also write the figures to this JSON file")
     dm.set_defaults(func=cmd_demo)
+
+    br = bsub.add_parser(
+        "resume",
+        help="cold-resume experiment (W1): TTFT of sessions the engine evicted, per configuration",
+        description=(
+            "W1: SESSIONS sessions per context length, together larger than the engine's KV capacity, are "
+            "prefilled, then resumed in the same order. Each configuration (recompute, prefix-cache, "
+            "kvtier-memory, kvtier-disk, kvtier-shared with cold reads, vLLM's ExampleConnector) runs in its own "
+            "engine process, one at a time. Prints TTFT p50/p90/p99, throughput and speedup vs recompute; writes "
+            "DIR/report/{results.json,report.md,*.png}."
+        ),
+    )
+    br.add_argument("--dir", default="results/resume", help="working directory (models, stores, logs, report)")
+    br.add_argument("--model", default="qwen2.5-0.5b", help="model shape preset (default qwen2.5-0.5b; tiny-llama for a smoke run)")
+    br.add_argument("--contexts", type=_ints, default=(2048, 8192), help="session lengths in tokens (default 2048,8192)")
+    br.add_argument("--sessions", type=int, default=3, help="sessions per context (default 3)")
+    br.add_argument("--configs", type=lambda t: [c for c in t.split(",") if c], default=list(("recompute", "prefix-cache", "kvtier-memory", "kvtier-disk", "kvtier-shared", "example")),
+                    help="configurations to run, comma-separated (default all)")
+    br.add_argument("--checkpoint", action="store_true", help="random-init checkpoint instead of dummy weights")
+    br.add_argument("--json", help="also write the summary to this JSON file")
+    br.add_argument("--no-progress", action="store_true", help="no progress bars")
+    br.set_defaults(func=cmd_bench_resume)
 
     store = sub.add_parser("store", help="inspect and maintain a shared (or disk) tier directory")
     ssub = store.add_subparsers(dest="store", required=True)
