@@ -24,6 +24,7 @@ class LoadJob:
     req_id: str
     chunks: list[ChunkIO]
     tiers: list[str]  # tier holding each chunk at lookup time (for metrics)
+    sync: bool = False  # copy in before this step's forward (chunks in host memory)
 
 
 @dataclass

@@ -50,6 +50,7 @@ class _Req:
     saved_upto: int = 0  # tokens (chunk-aligned) already in kvtier
     tail_saved: bool = False
     loading_blocks: set[int] | None = None
+    sync_load: bool = False
     failed: bool = False  # a load failed, or the request is not cacheable: never claim
 
 
@@ -109,8 +110,13 @@ class KVTierScheduler:
             # Keys over every known token: a stored chunk that runs past the
             # usable end still serves its leading blocks.
             tokens = list(request.all_token_ids[: request.num_tokens])
-            st.lookup = self._lookups.submit(LOAD, self._lookup, request.request_id, st.root, tokens, usable)
             st.lookup_usable = usable
+            if self._all_in_memory(st.root, tokens):
+                # Answered from host memory alone: no I/O, no reason to defer.
+                st.lookup = Future()
+                st.lookup.set_result(self._lookup(request.request_id, st.root, tokens, usable))
+            else:
+                st.lookup = self._lookups.submit(LOAD, self._lookup, request.request_id, st.root, tokens, usable)
         try:
             hit: _Hit = st.lookup.result(timeout=_LOOKUP_GRACE_S)
         except FutureTimeout:
@@ -121,7 +127,34 @@ class KVTierScheduler:
         st.local_tokens = num_computed_tokens
         if hit.tokens <= num_computed_tokens:
             return 0, False
-        return hit.tokens - num_computed_tokens, True
+        # Chunks in host memory are copied in within this step, before the
+        # forward (a synchronous load: no extra scheduler round trip); anything
+        # on disk or remote is read asynchronously while other requests run.
+        st.sync_load = all(
+            self._tier_kinds.get(t) == "memory" for t in self._tiers_in(hit, num_computed_tokens, hit.tokens)
+        )
+        return hit.tokens - num_computed_tokens, not st.sync_load
+
+    def _all_in_memory(self, root: ChunkKey, tokens: list[int]) -> bool:
+        memory = self.store.memory
+        if memory is None:
+            return False
+        usable_blocks = len(tokens) // self.bs * self.bs
+        keys, prev = [], root
+        for start in range(0, usable_blocks, self.chunk):
+            prev = next_key(prev, tokens[start : min(start + self.chunk, usable_blocks)])
+            keys.append(prev)
+        return bool(keys) and memory.lookup(keys) == len(keys)
+
+    @staticmethod
+    def _tiers_in(hit: "_Hit", lo: int, hi: int) -> list[str]:
+        """Tiers of the hit chunks that overlap tokens [lo, hi)."""
+        out, pos = [], 0
+        for k, tier in zip(hit.keys, hit.tiers):
+            if pos + k.num_tokens > lo and pos < hi:
+                out.append(tier)
+            pos += k.num_tokens
+        return out
 
     def _lookup(self, req_id: str, root: ChunkKey, tokens: list[int], usable: int) -> _Hit:
         """Longest stored prefix of ``tokens`` (runs on the lookup pool), in
@@ -210,7 +243,7 @@ class KVTierScheduler:
             chunks.append(ChunkIO(k, ids, skip=(max(start, lo) - start) // self.bs))
             tiers.append(tier)
         st.loading_blocks = {b for c in chunks for b in c.block_ids[c.skip :]}
-        self._pending_loads.append(LoadJob(request.request_id, chunks, tiers))
+        self._pending_loads.append(LoadJob(request.request_id, chunks, tiers, sync=st.sync_load))
 
     # ------------------------------------------------------------ per step
     def build_connector_meta(self, scheduler_output) -> KVTierMetadata:
@@ -264,17 +297,22 @@ class KVTierScheduler:
     def update_connector_output(self, output) -> None:
         invalid = set(getattr(output, "invalid_block_ids", None) or ())
         failed_ids = set(getattr(output, "failed_recving", None) or ())
-        for rid in output.finished_recving or ():
-            st = self._reqs.get(rid)
-            if st is None:
+        finished = set(output.finished_recving or ())
+        for rid, st in self._reqs.items():
+            if st.loading_blocks is None:
                 continue
-            if rid in failed_ids or (st.loading_blocks and st.loading_blocks & invalid):
+            # Async loads end when the worker reports them; synchronous ones
+            # within the step they were scheduled in.
+            if not (st.sync_load or rid in finished):
+                continue
+            bad = st.loading_blocks & invalid
+            if rid in failed_ids or bad:
                 st.failed = True  # never claim again: vLLM would ask once more and loop
                 # What could not be loaded (corrupt, evicted, truncated) is
                 # recomputed now: save it again, or the hole stays for the
                 # next request with this prefix.
                 st.saved_upto, st.tail_saved = 0, False
-                runtime.counter("load_failed_blocks").inc(len(st.loading_blocks & invalid) if st.loading_blocks else 0)
+                runtime.counter("load_failed_blocks").inc(len(bad))
             st.loading_blocks = None
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:

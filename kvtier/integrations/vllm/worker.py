@@ -60,7 +60,21 @@ class KVTierWorker:
 
     # ------------------------------------------------------------ loads
     def start_load_kv(self, meta: KVTierMetadata) -> None:
+        """Synchronous loads (chunks in host memory) are copied in right here,
+        before this step's forward; asynchronous ones go to the loader."""
         for job in meta.loads:
+            if job.sync:
+                t0 = time.perf_counter()
+                try:
+                    objs = self._load(job)
+                except Exception as exc:  # a failed load is a recompute, never a failed request
+                    log.warning("kvtier: load for %s failed: %s; recomputing", job.req_id, exc)
+                    objs = []
+                failed = self._copy_in(job, objs)
+                runtime.counter("scatter_seconds").observe(time.perf_counter() - t0)
+                with self._lock:
+                    self._errors_to_report |= failed
+                continue
             with self._lock:
                 if job.req_id in self._started:
                     continue
@@ -118,24 +132,29 @@ class KVTierWorker:
             return None, None
         t0 = time.perf_counter()
         failed: set[int] = set()
-        for rid, (job, objs) in ready.items():
-            try:
-                for c, obj in zip(job.chunks, objs):
-                    src = torch.frombuffer(obj.payload, dtype=self.layout.dtype).view(obj.header.shape)
-                    self.layout.scatter(c.block_ids, self.layout.leading_blocks(src, len(c.block_ids)), first=c.skip)
-                loaded = len(objs)
-            except Exception as exc:
-                log.warning("kvtier: copying %s into the engine failed: %s; recomputing", rid, exc)
-                loaded = 0
-            finally:
-                for o in objs:
-                    o.release()
-            failed |= {b for c in job.chunks[loaded:] for b in c.block_ids[c.skip :]}
+        for job, objs in ready.values():
+            failed |= self._copy_in(job, objs)
         runtime.counter("scatter_seconds").observe(time.perf_counter() - t0)
         with self._lock:
             self._started.difference_update(ready)
             self._errors_to_report |= failed
         return None, set(ready)
+
+    def _copy_in(self, job: LoadJob, objs: list[ChunkObject]) -> set[int]:
+        """Copy read chunks into their engine blocks (engine thread) and
+        release them; returns the blocks that were not loaded."""
+        loaded = 0
+        try:
+            for c, obj in zip(job.chunks, objs):
+                src = torch.frombuffer(obj.payload, dtype=self.layout.dtype).view(obj.header.shape)
+                self.layout.scatter(c.block_ids, self.layout.leading_blocks(src, len(c.block_ids)), first=c.skip)
+                loaded += 1
+        except Exception as exc:
+            log.warning("kvtier: copying %s into the engine failed: %s; recomputing", job.req_id, exc)
+        finally:
+            for o in objs:
+                o.release()
+        return {b for c in job.chunks[loaded:] for b in c.block_ids[c.skip :]}
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:

@@ -77,13 +77,14 @@ def test_miss_claims_nothing(sched):
     assert ask(sched, request("a", TOK[:20])) == (0, False)
 
 
-def test_full_chunk_hit_is_claimed_async_and_planned_as_a_load(sched):
+def test_full_chunk_hit_in_memory_is_claimed_sync_and_planned_as_a_load(sched):
     store_chunks(sched, TOK, [C, C])
     req = request("a", TOK[:20])  # usable = 16: two full chunks
-    assert ask(sched, req) == (16, True)
+    assert ask(sched, req) == (16, False)
     sched.update_state_after_alloc(req, Blocks([10, 11, 12, 13, 14]), 16)
     meta = sched.build_connector_meta(output())
     (job,) = meta.loads
+    assert job.sync  # host memory: copied in before this step's forward
     assert [c.block_ids for c in job.chunks] == [[10, 11], [12, 13]]
     assert [c.skip for c in job.chunks] == [0, 0]
     assert sched.build_connector_meta(output()).loads == []  # handed over once
@@ -92,7 +93,7 @@ def test_full_chunk_hit_is_claimed_async_and_planned_as_a_load(sched):
 def test_engine_local_hit_is_not_claimed_again_and_its_blocks_are_skipped(sched):
     store_chunks(sched, TOK, [C, C])
     req = request("a", TOK[:20])
-    assert ask(sched, req, local=4) == (12, True)  # vLLM holds block 0 itself
+    assert ask(sched, req, local=4) == (12, False)  # vLLM holds block 0 itself
     sched.update_state_after_alloc(req, Blocks([10, 11, 12, 13, 14]), 12)
     (job,) = sched.build_connector_meta(output()).loads
     assert [(c.block_ids, c.skip) for c in job.chunks] == [([10, 11], 1), ([12, 13], 0)]
@@ -101,13 +102,13 @@ def test_engine_local_hit_is_not_claimed_again_and_its_blocks_are_skipped(sched)
 
 def test_a_partial_tail_stored_by_a_shorter_prompt_is_found(sched):
     store_chunks(sched, TOK, [C, 4])  # chunk 0 full, then a 4-token tail
-    assert ask(sched, request("a", TOK[:22])) == (12, True)
+    assert ask(sched, request("a", TOK[:22])) == (12, False)
 
 
 def test_a_chunk_running_past_the_usable_end_serves_its_leading_blocks(sched):
     store_chunks(sched, TOK, [C, C, C])
     req = request("a", TOK[:24])  # usable = 20 (one token must be computed)
-    assert ask(sched, req) == (20, True)
+    assert ask(sched, req) == (20, False)
     sched.update_state_after_alloc(req, Blocks(list(range(20, 26))), 20)
     (job,) = sched.build_connector_meta(output()).loads
     assert [c.block_ids for c in job.chunks] == [[20, 21], [22, 23], [24]]
@@ -117,7 +118,7 @@ def test_a_chunk_running_past_the_usable_end_serves_its_leading_blocks(sched):
 def test_salt_separates_tenants(sched):
     store_chunks(sched, TOK, [C, C], salt="alice")
     assert ask(sched, request("a", TOK[:20], salt="bob")) == (0, False)
-    assert ask(sched, request("b", TOK[:20], salt="alice")) == (16, True)
+    assert ask(sched, request("b", TOK[:20], salt="alice")) == (16, False)
     assert ask(sched, request("c", TOK[:20])) == (0, False)
 
 
@@ -142,13 +143,13 @@ def test_saves_full_chunks_as_they_fill_and_the_prompt_tail(sched):
     keys = [c.key for c in meta.saves[0].chunks + job.chunks]
     for k, blocks in zip(keys, ([5, 6], [7, 8], [9])):
         sched.store.put([encode(k, "float32", (1, len(blocks), 1, 2 * BS, 4), bytes(k.num_tokens * 32))])
-    assert ask(sched, request("b", TOK[:22])) == (20, True)
+    assert ask(sched, request("b", TOK[:22])) == (20, False)
 
 
 def test_chunks_already_in_kvtier_are_not_saved_again(sched):
     store_chunks(sched, TOK, [C])
     req = request("a", TOK[:20])
-    assert ask(sched, req) == (8, True)
+    assert ask(sched, req) == (8, False)
     sched.update_state_after_alloc(req, Blocks([1, 2, 3, 4, 5]), 8)
     new = SimpleNamespace(req_id="a", block_ids=([1, 2, 3, 4, 5],), num_computed_tokens=8)
     (job,) = sched.build_connector_meta(output([new], scheduled={"a": 12})).saves
@@ -158,8 +159,35 @@ def test_chunks_already_in_kvtier_are_not_saved_again(sched):
 def test_after_a_failed_load_the_request_is_never_claimed_again(sched):
     store_chunks(sched, TOK, [C, C])
     req = request("a", TOK[:20])
-    assert ask(sched, req) == (16, True)
+    assert ask(sched, req) == (16, False)
     sched.update_state_after_alloc(req, Blocks([10, 11, 12, 13, 14]), 16)
     sched.build_connector_meta(output())
     sched.update_connector_output(SimpleNamespace(finished_recving={"a"}, invalid_block_ids={12}, failed_recving=set()))
     assert ask(sched, req) == (0, False)  # vLLM asks again after a failure: answer 0, or it loops
+
+
+def test_a_hit_on_disk_is_loaded_asynchronously(tmp_path):
+    cfg = parse_store_config({"tiers": [{"kind": "disk", "path": str(tmp_path), "capacity": "64MiB"}], "chunk_tokens": C})
+    store = TieredStore(cfg)
+    s = KVTierScheduler(Settings(cfg, NS, BS, 1, "float32"), store, {"disk": "disk"})
+    try:
+        store_chunks(s, TOK, [C, C])
+        store.flush()
+        req = request("a", TOK[:20])
+        assert ask(s, req) == (16, True)
+        s.update_state_after_alloc(req, Blocks([10, 11, 12, 13, 14]), 16)
+        (job,) = s.build_connector_meta(output()).loads
+        assert not job.sync and job.tiers == ["disk", "disk"]
+    finally:
+        s.close()
+        store.close()
+
+
+def test_a_failed_synchronous_load_is_noticed_within_its_step(sched):
+    store_chunks(sched, TOK, [C, C])
+    req = request("a", TOK[:20])
+    assert ask(sched, req) == (16, False)
+    sched.update_state_after_alloc(req, Blocks([10, 11, 12, 13, 14]), 16)
+    sched.build_connector_meta(output())
+    sched.update_connector_output(SimpleNamespace(finished_recving=None, invalid_block_ids={13}, failed_recving=set()))
+    assert sched._reqs["a"].failed and sched._reqs["a"].saved_upto == 0  # its KV is recomputed: save it again
