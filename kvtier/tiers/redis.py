@@ -41,11 +41,11 @@ import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import redis
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 from redis.retry import Retry
 
 from kvtier.buffers import align_up
@@ -61,6 +61,9 @@ from kvtier.tiers.filetier import key_of
 log = logging.getLogger(__name__)
 
 _DEFAULT_BYTES_PER_TOKEN = 16 << 10
+# What storage trouble looks like: redis-py's errors (the cluster client's
+# slot-map failures are not RedisErrors) and socket errors.
+_TROUBLE = (RedisError, RedisClusterException, OSError)
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,8 @@ class RedisConfig:
     tls_ca_file: str = opt("", "CA bundle that signs the server certificate (empty: system store)")
     cluster: bool = opt(False, "talk to a Redis Cluster (objects spread over all slots)")
     key_prefix: str = opt("kvtier:v1:", "prefix of every key kvtier writes; one capacity budget per prefix")
-    ttl_s: float | None = opt(None, "expire objects not read for this long (optional; reads refresh it)")
+    # Optional[...], not "float | None": config._coerce recognises typing.Union only.
+    ttl_s: Optional[float] = opt(None, "expire objects not read for this long (optional; reads refresh it)")
     socket_timeout_s: float = opt(1.0, "timeout of every command")
     connect_timeout_s: float = opt(1.0, "timeout of connecting")
     pool_size: int = opt(32, "connections per server (at least io_threads + 4)")
@@ -255,7 +259,7 @@ class RedisTier(Tier):
             fut.cancel()
             log.warning("tier %s: lookup timed out after %.1fs; treating as a miss", self.name, timeout)
             found, ok = [], False
-        except RedisError as exc:
+        except _TROUBLE as exc:
             log.warning("tier %s: lookup failed (%s); treating as a miss", self.name, exc)
             found, ok = [], False
         self._guard(ok, "lookup")
@@ -306,7 +310,7 @@ class RedisTier(Tier):
         try:
             client = self._redis()
             self._scripts["touch"](keys=[self._lru, self._seq], args=names, client=client)
-        except RedisError as exc:
+        except _TROUBLE as exc:
             log.warning("tier %s: access stamp failed (%s)", self.name, exc)
             self.metrics.error("touch")
 
@@ -355,7 +359,7 @@ class RedisTier(Tier):
         t0 = time.perf_counter()
         try:
             n = self._store(objs)
-        except RedisError as exc:
+        except _TROUBLE as exc:
             log.warning("tier %s: store failed (%s); %d chunks dropped", self.name, exc, len(objs))
             self._guard(False, "store")
             self.metrics.dropped("error", len(objs))
@@ -410,7 +414,7 @@ class RedisTier(Tier):
             return 0
         try:
             n = self.executor.submit(DELETE, self._delete_now, keys).result()
-        except RedisError as exc:
+        except _TROUBLE as exc:
             log.warning("tier %s: delete failed (%s)", self.name, exc)
             self._guard(False, "delete")
             return 0
@@ -418,16 +422,18 @@ class RedisTier(Tier):
         return n
 
     def _delete_now(self, keys: Sequence[ChunkKey]) -> int:
+        # Unindex first, then delete: a concurrent store of the same key that
+        # lands in between re-indexes it, so an object never outlives its
+        # index entry (which would hide bytes from the budget).
         client = self._redis()
         names = [self._name(k) for k in keys]
-        pipe = client.pipeline(transaction=False)
-        for name in names:
-            pipe.delete(name)
-        n = sum(int(x) for x in pipe.execute())
         used, count = self._scripts["forget"](keys=[self._lru, self._size, self._used], args=names, client=client)
         self._last_stats = (int(count), int(used))
         self.metrics.used(int(used))
-        return n
+        pipe = client.pipeline(transaction=False)
+        for name in names:
+            pipe.delete(name)
+        return sum(int(x) for x in pipe.execute())
 
     def stats(self) -> TierStats:
         """Usage of the whole prefix (every instance's objects), from the
@@ -440,7 +446,7 @@ class RedisTier(Tier):
                 count, used = pipe.execute()
                 self._last_stats = (int(count), int(used or 0))
                 self.breaker.record(True)
-            except RedisError as exc:
+            except _TROUBLE as exc:
                 log.warning("tier %s: stats failed (%s)", self.name, exc)
                 self._guard(False, "stats")
         objects, used = self._last_stats
