@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import re
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,7 +98,7 @@ def _coerce(value: Any, hint: Any, f: dataclasses.Field, key: str) -> Any:
         return parse_size(value, key)
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
-    if origin is typing.Union or str(origin) == "types.UnionType":
+    if origin is typing.Union or origin is types.UnionType:
         if value is None and type(None) in args:
             return None
         hint = next(a for a in args if a is not type(None))
