@@ -217,7 +217,7 @@ def write_report(s: dict, out_dir: Path) -> list[Path]:
     try:
         paths += _plots(s, out_dir)
     except ImportError:
-        pass  # matplotlib is optional: pip install 'kvtier[bench]'
+        print("plots skipped: matplotlib is not installed (pip install 'kvtier[bench]')", file=sys.stderr)
     return paths
 
 
