@@ -379,3 +379,50 @@ def _release_result(fut: Future) -> None:
     obj = fut.result()
     if obj is not None:
         obj.release()
+
+
+class WindowedFetch:
+    """``fetch`` for tiers that read objects one at a time on their own pool,
+    within a byte window (directory, Redis and S3 tiers).
+
+    The tier provides ``executor``, ``config.read_window_bytes``,
+    ``_bytes_per_token``, ``_read_one(key)`` (object, None for a miss, raises
+    for backend trouble), ``breaker``, ``metrics`` and ``_guard(ok, op)``; it
+    may override ``_served(keys)`` to record the reads it served and
+    ``_describe(exc)`` to shorten backend errors in logs.
+    """
+
+    def fetch(self, keys: Sequence[ChunkKey], timeout: float | None = None) -> Iterator[ChunkObject]:
+        if not keys:
+            return iter(())
+        if not self.breaker.allow():
+            self.metrics.miss(len(keys))
+            return iter(())
+        stream = ReadStream(self.executor, keys, self._read_one, self.config.read_window_bytes, lambda: self._bytes_per_token)
+        return self._drain(stream, keys, timeout)
+
+    def _drain(self, stream: ReadStream, keys: Sequence[ChunkKey], timeout: float | None) -> Iterator[ChunkObject]:
+        served = 0
+        try:
+            for obj in stream.iter(timeout):
+                served += 1
+                # Counted when handed over: reads ahead of a miss or of an
+                # abandoned fetch complete too, but served nobody.
+                self.metrics.hit(1, obj.header.num_tokens, obj.nbytes)
+                yield obj
+        finally:
+            if stream.failed is not None:
+                what = "timed out" if isinstance(stream.failed, FutureTimeout) else f"failed: {self._describe(stream.failed)}"
+                log.warning("tier %s: read %s; the rest is recomputed", self.name, what)
+                self._guard(False, "load")
+            else:  # a clean miss is a healthy answer too (and ends a half-open probe)
+                self._guard(True, "load")
+            self.metrics.miss(len(keys) - served)
+            if served and stream.failed is None:
+                self._served(keys[:served])
+
+    def _served(self, keys: Sequence[ChunkKey]) -> None:
+        """``keys`` were served by one fetch (after the last was handed over)."""
+
+    def _describe(self, exc: BaseException) -> str:
+        return str(exc)

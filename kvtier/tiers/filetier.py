@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Iterator, Sequence
+from typing import Sequence
 
 from kvtier.codec import ChunkObject
 from kvtier.engine.breaker import CircuitBreaker
@@ -20,14 +20,14 @@ from kvtier.engine.executor import DELETE, LOAD, STORE, PriorityExecutor
 from kvtier.errors import CorruptObject
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import Tier
-from kvtier.tiers.files import FileTierConfig, ObjectDir, ReadStream
+from kvtier.tiers.files import FileTierConfig, ObjectDir, WindowedFetch
 
 log = logging.getLogger(__name__)
 
 _DEFAULT_BYTES_PER_TOKEN = 16 << 10
 
 
-class FileTier(Tier):
+class FileTier(WindowedFetch, Tier):
     Config = FileTierConfig
 
     def __init__(self, config: FileTierConfig, metrics=None, breaker: CircuitBreaker | None = None, pool=None):
@@ -90,33 +90,6 @@ class FileTier(Tier):
         self._guard(ok, "lookup")
         self.metrics.observe("lookup", time.perf_counter() - t0)
         return n
-
-    def fetch(self, keys: Sequence[ChunkKey], timeout: float | None = None) -> Iterator[ChunkObject]:
-        if not keys:
-            return iter(())
-        if not self.breaker.allow():
-            self.metrics.miss(len(keys))
-            return iter(())
-        stream = ReadStream(self.executor, keys, self._read_one, self.config.read_window_bytes, lambda: self._bytes_per_token)
-        return self._drain(stream, len(keys), timeout)
-
-    def _drain(self, stream: ReadStream, asked: int, timeout: float | None) -> Iterator[ChunkObject]:
-        served = 0
-        try:
-            for obj in stream.iter(timeout):
-                served += 1
-                # Counted here, not when read: reads ahead of a miss or of an
-                # abandoned fetch complete too, but nobody was served by them.
-                self.metrics.hit(1, obj.header.num_tokens, obj.nbytes)
-                yield obj
-        finally:
-            if stream.failed is not None:
-                kind = "timed out" if isinstance(stream.failed, FutureTimeout) else f"failed: {stream.failed}"
-                log.warning("tier %s: read %s; the rest is recomputed", self.name, kind)
-                self._guard(False, "load")
-            elif served:
-                self._guard(True, "load")
-            self.metrics.miss(asked - served)
 
     def _read_one(self, key: ChunkKey) -> ChunkObject | None:
         t0 = time.perf_counter()

@@ -41,7 +41,7 @@ import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import redis
 from redis.backoff import NoBackoff
@@ -55,7 +55,7 @@ from kvtier.engine.executor import DELETE, LOAD, STORE, PriorityExecutor
 from kvtier.errors import CorruptObject
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import Tier, TierStats
-from kvtier.tiers.files import ReadStream
+from kvtier.tiers.files import WindowedFetch
 from kvtier.tiers.filetier import key_of
 
 log = logging.getLogger(__name__)
@@ -177,7 +177,7 @@ return {used, redis.call('ZCARD', KEYS[1])}
 """
 
 
-class RedisTier(Tier):
+class RedisTier(WindowedFetch, Tier):
     kind = "redis"
     Config = RedisConfig
 
@@ -278,32 +278,8 @@ class RedisTier(Tier):
         return [bool(x) for x in pipe.execute()]
 
     # ------------------------------------------------------------ fetch
-    def fetch(self, keys: Sequence[ChunkKey], timeout: float | None = None) -> Iterator[ChunkObject]:
-        if not keys:
-            return iter(())
-        if not self.breaker.allow():
-            self.metrics.miss(len(keys))
-            return iter(())
-        stream = ReadStream(self.executor, keys, self._read_one, self.config.read_window_bytes, lambda: self._bytes_per_token)
-        return self._drain(stream, keys, timeout)
-
-    def _drain(self, stream: ReadStream, keys: Sequence[ChunkKey], timeout: float | None) -> Iterator[ChunkObject]:
-        served = 0
-        try:
-            for obj in stream.iter(timeout):
-                served += 1
-                self.metrics.hit(1, obj.header.num_tokens, obj.nbytes)
-                yield obj
-        finally:
-            if stream.failed is not None:
-                kind = "timed out" if isinstance(stream.failed, FutureTimeout) else f"failed: {stream.failed}"
-                log.warning("tier %s: read %s; the rest is recomputed", self.name, kind)
-                self._guard(False, "load")
-            else:  # a clean miss is a healthy answer too (and ends a half-open probe)
-                self._guard(True, "load")
-            self.metrics.miss(len(keys) - served)
-            if served and stream.failed is None:
-                self._touch([self._name(k) for k in keys[:served]])
+    def _served(self, keys: Sequence[ChunkKey]) -> None:
+        self._touch([self._name(k) for k in keys])
 
     def _touch(self, names: list[bytes]) -> None:
         """Record the reads in the access index (one script call per fetch)."""

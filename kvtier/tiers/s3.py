@@ -49,7 +49,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 from kvtier.buffers import align_up
 from kvtier.codec import HEADER_BLOCK, MAX_PAYLOAD, ChunkObject, decode
@@ -58,7 +58,7 @@ from kvtier.engine.executor import DELETE, LOAD, MAINTENANCE, STORE, PriorityExe
 from kvtier.errors import CorruptObject
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import Tier, TierStats
-from kvtier.tiers.files import LAYOUT_DIR, ReadStream
+from kvtier.tiers.files import LAYOUT_DIR, WindowedFetch
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ class GcResult:
     seconds: float
 
 
-class S3Tier(Tier):
+class S3Tier(WindowedFetch, Tier):
     kind = "s3"
     Config = S3Config
 
@@ -303,32 +303,8 @@ class S3Tier(Tier):
         return n
 
     # ------------------------------------------------------------ fetch
-    def fetch(self, keys: Sequence[ChunkKey], timeout: float | None = None) -> Iterator[ChunkObject]:
-        if not keys:
-            return iter(())
-        if not self.breaker.allow():
-            self.metrics.miss(len(keys))
-            return iter(())
-        stream = ReadStream(self.executor, keys, self._read_one, self.config.read_window_bytes, lambda: self._bytes_per_token)
-        return self._drain(stream, len(keys), timeout)
-
-    def _drain(self, stream: ReadStream, asked: int, timeout: float | None) -> Iterator[ChunkObject]:
-        served = 0
-        try:
-            for obj in stream.iter(timeout):
-                served += 1
-                # Counted when handed over: reads ahead of a miss or of an
-                # abandoned fetch complete too, but served nobody.
-                self.metrics.hit(1, obj.header.num_tokens, obj.nbytes)
-                yield obj
-        finally:
-            if stream.failed is not None:
-                what = "timed out" if isinstance(stream.failed, FutureTimeout) else f"failed: {_brief(stream.failed)}"
-                log.warning("tier %s: read %s; the rest is recomputed", self.name, what)
-                self._guard(False, "load")
-            elif served:
-                self._guard(True, "load")
-            self.metrics.miss(asked - served)
+    def _describe(self, exc: BaseException) -> str:
+        return _brief(exc)
 
     def _read_one(self, key: ChunkKey) -> ChunkObject | None:
         """GET one object into a pooled buffer and verify it (a worker thread).
