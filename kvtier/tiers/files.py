@@ -381,16 +381,55 @@ def _release_result(fut: Future) -> None:
         obj.release()
 
 
-class WindowedFetch:
-    """``fetch`` for tiers that read objects one at a time on their own pool,
-    within a byte window (directory, Redis and S3 tiers).
+class PooledIO:
+    """What the directory, Redis and S3 tiers share: calls on the tier's own
+    pool, guarded by its circuit breaker. ``lookup`` runs one existence check
+    per key in parallel (a round trip each on a network backend) within a
+    deadline; ``fetch`` reads objects one at a time within a byte window.
 
     The tier provides ``executor``, ``config.read_window_bytes``,
-    ``_bytes_per_token``, ``_read_one(key)`` (object, None for a miss, raises
-    for backend trouble), ``breaker``, ``metrics`` and ``_guard(ok, op)``; it
-    may override ``_served(keys)`` to record the reads it served and
+    ``_bytes_per_token``, ``_exists(key)``, ``_read_one(key)`` (object, None
+    for a miss, raises for backend trouble), ``breaker``, ``metrics`` and
+    ``_backend_errors`` (the exceptions that mean backend trouble); it may
+    override ``_served(keys)`` to record the reads it served and
     ``_describe(exc)`` to shorten backend errors in logs.
     """
+
+    _backend_errors: tuple[type[BaseException], ...] = (OSError,)
+
+    def _guard(self, ok: bool, op: str) -> None:
+        self.breaker.record(ok)
+        self.metrics.breaker(self.breaker.state != "closed")
+        if not ok:
+            self.metrics.error(op)
+
+    def lookup(self, keys: Sequence[ChunkKey], timeout: float | None = None) -> int:
+        """Existence checks in parallel on the pool; the answer is the leading
+        run of hits. Past ``timeout`` the answer is 0 (the request recomputes)."""
+        if not keys or not self.breaker.allow():
+            return 0
+        t0 = time.perf_counter()
+        deadline = None if timeout is None else t0 + timeout
+        futs = [self.executor.submit(LOAD, self._exists, k) for k in keys]
+        n, ok = 0, True
+        try:
+            for f in futs:
+                remaining = None if deadline is None else max(0.0, deadline - time.perf_counter())
+                if not f.result(remaining):
+                    break
+                n += 1
+        except FutureTimeout:
+            log.warning("tier %s: lookup timed out after %.1fs; treating as a miss", self.name, timeout)
+            n, ok = 0, False
+        except self._backend_errors as exc:
+            log.warning("tier %s: lookup failed: %s", self.name, self._describe(exc))
+            n, ok = 0, False
+        finally:
+            for f in futs:
+                f.cancel()
+        self._guard(ok, "lookup")
+        self.metrics.observe("lookup", time.perf_counter() - t0)
+        return n
 
     def fetch(self, keys: Sequence[ChunkKey], timeout: float | None = None) -> Iterator[ChunkObject]:
         if not keys:

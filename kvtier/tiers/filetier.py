@@ -11,23 +11,22 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Sequence
 
 from kvtier.codec import ChunkObject
 from kvtier.engine.breaker import CircuitBreaker
-from kvtier.engine.executor import DELETE, LOAD, STORE, PriorityExecutor
+from kvtier.engine.executor import DELETE, STORE, PriorityExecutor
 from kvtier.errors import CorruptObject
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import Tier
-from kvtier.tiers.files import FileTierConfig, ObjectDir, WindowedFetch
+from kvtier.tiers.files import FileTierConfig, ObjectDir, PooledIO
 
 log = logging.getLogger(__name__)
 
 _DEFAULT_BYTES_PER_TOKEN = 16 << 10
 
 
-class FileTier(WindowedFetch, Tier):
+class FileTier(PooledIO, Tier):
     Config = FileTierConfig
 
     def __init__(self, config: FileTierConfig, metrics=None, breaker: CircuitBreaker | None = None, pool=None):
@@ -57,40 +56,6 @@ class FileTier(WindowedFetch, Tier):
         return self.dir.exists(key)
 
     # ------------------------------------------------------------ contract
-    def _guard(self, ok: bool, op: str) -> None:
-        self.breaker.record(ok)
-        self.metrics.breaker(self.breaker.state != "closed")
-        if not ok:
-            self.metrics.error(op)
-
-    def lookup(self, keys: Sequence[ChunkKey], timeout: float | None = None) -> int:
-        """Existence checks run in parallel on the pool (a round trip each on
-        a network mount); the answer is the leading run of hits."""
-        if not keys or not self.breaker.allow():
-            return 0
-        t0 = time.perf_counter()
-        deadline = None if timeout is None else t0 + timeout
-        futs = [self.executor.submit(LOAD, self._exists, k) for k in keys]
-        n, ok = 0, True
-        try:
-            for f in futs:
-                remaining = None if deadline is None else max(0.0, deadline - time.perf_counter())
-                if not f.result(remaining):
-                    break
-                n += 1
-        except FutureTimeout:
-            log.warning("tier %s: lookup timed out after %.1fs; treating as a miss", self.name, timeout)
-            n, ok = 0, False
-        except OSError as exc:
-            log.warning("tier %s: lookup failed: %s", self.name, exc)
-            n, ok = 0, False
-        finally:
-            for f in futs:
-                f.cancel()
-        self._guard(ok, "lookup")
-        self.metrics.observe("lookup", time.perf_counter() - t0)
-        return n
-
     def _read_one(self, key: ChunkKey) -> ChunkObject | None:
         t0 = time.perf_counter()
         try:

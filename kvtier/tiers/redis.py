@@ -55,7 +55,7 @@ from kvtier.engine.executor import DELETE, LOAD, STORE, PriorityExecutor
 from kvtier.errors import CorruptObject
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import Tier, TierStats
-from kvtier.tiers.files import WindowedFetch
+from kvtier.tiers.files import PooledIO
 from kvtier.tiers.filetier import key_of
 
 log = logging.getLogger(__name__)
@@ -177,7 +177,7 @@ return {used, redis.call('ZCARD', KEYS[1])}
 """
 
 
-class RedisTier(WindowedFetch, Tier):
+class RedisTier(PooledIO, Tier):
     kind = "redis"
     Config = RedisConfig
 
@@ -237,12 +237,6 @@ class RedisTier(WindowedFetch, Tier):
 
     def _name(self, key: ChunkKey) -> bytes:
         return f"{self.config.key_prefix}{key.ns[:8].hex()}:{key.digest.hex()}".encode()
-
-    def _guard(self, ok: bool, op: str) -> None:
-        self.breaker.record(ok)
-        self.metrics.breaker(self.breaker.state != "closed")
-        if not ok:
-            self.metrics.error(op)
 
     # ------------------------------------------------------------ lookup
     def lookup(self, keys: Sequence[ChunkKey], timeout: float | None = None) -> int:

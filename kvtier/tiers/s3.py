@@ -47,18 +47,17 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from kvtier.buffers import align_up
 from kvtier.codec import HEADER_BLOCK, MAX_PAYLOAD, ChunkObject, decode
 from kvtier.config import ConfigError, opt, size_field
-from kvtier.engine.executor import DELETE, LOAD, MAINTENANCE, STORE, PriorityExecutor
+from kvtier.engine.executor import DELETE, MAINTENANCE, STORE, PriorityExecutor
 from kvtier.errors import CorruptObject
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import Tier, TierStats
-from kvtier.tiers.files import LAYOUT_DIR, WindowedFetch
+from kvtier.tiers.files import LAYOUT_DIR, PooledIO
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +146,7 @@ class GcResult:
     seconds: float
 
 
-class S3Tier(WindowedFetch, Tier):
+class S3Tier(PooledIO, Tier):
     kind = "s3"
     Config = S3Config
 
@@ -156,6 +155,7 @@ class S3Tier(WindowedFetch, Tier):
 
         super().__init__(config, metrics, breaker, pool)
         self._errors = botocore.exceptions
+        self._backend_errors = (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError)
         self.bucket = config.bucket
         self.base = f"{config.prefix}/{LAYOUT_DIR}" if config.prefix else LAYOUT_DIR
         self.capacity = config.capacity
@@ -246,12 +246,6 @@ class S3Tier(WindowedFetch, Tier):
         return f"{self.base}/{key.ns[:8].hex()}/{key.digest.hex()}"
 
     # ------------------------------------------------------------ helpers
-    def _guard(self, ok: bool, op: str) -> None:
-        self.breaker.record(ok)
-        self.metrics.breaker(self.breaker.state != "closed")
-        if not ok:
-            self.metrics.error(op)
-
     def _stamp(self, name: str, when: float | None = None) -> None:
         with self._lock:
             self._access[name] = time.time() if when is None else when
@@ -272,35 +266,6 @@ class S3Tier(WindowedFetch, Tier):
     def _exists(self, key: ChunkKey) -> bool:
         head = self._head(self.object_name(key))
         return head is not None and head[0] >= HEADER_BLOCK
-
-    # ------------------------------------------------------------ lookup
-    def lookup(self, keys: Sequence[ChunkKey], timeout: float | None = None) -> int:
-        """Parallel HEADs on the pool; the answer is the leading run of hits.
-        Past ``timeout`` the answer is 0 (the request recomputes)."""
-        if not keys or not self.breaker.allow():
-            return 0
-        t0 = time.perf_counter()
-        deadline = None if timeout is None else t0 + timeout
-        futs = [self.executor.submit(LOAD, self._exists, k) for k in keys]
-        n, ok = 0, True
-        try:
-            for f in futs:
-                remaining = None if deadline is None else max(0.0, deadline - time.perf_counter())
-                if not f.result(remaining):
-                    break
-                n += 1
-        except FutureTimeout:
-            log.warning("tier %s: lookup timed out after %.1fs; treating as a miss", self.name, timeout)
-            n, ok = 0, False
-        except (self._errors.BotoCoreError, self._errors.ClientError) as exc:
-            log.warning("tier %s: lookup failed: %s", self.name, _brief(exc))
-            n, ok = 0, False
-        finally:
-            for f in futs:
-                f.cancel()
-        self._guard(ok, "lookup")
-        self.metrics.observe("lookup", time.perf_counter() - t0)
-        return n
 
     # ------------------------------------------------------------ fetch
     def _describe(self, exc: BaseException) -> str:
