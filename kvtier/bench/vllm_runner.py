@@ -7,7 +7,7 @@ SPEC: {"model": dir, "kvtier": {kv_connector_extra_config} | null,
        "phases": [{"name": str, "prompts": [{"tokens": [...], "salt": str|null}],
                    "max_tokens": int, "logprobs": int, "one_by_one": bool,
                    "reset_prefix_cache": bool, "drop_tiers": [tier names],
-                   "drop_page_cache": bool}]}
+                   "drop_page_cache": bool, "wait_for": path}]}
 OUT:  {"phases": [{"name", "results": [{"tokens", "logprobs", "num_cached_tokens", "ttft_s"}]}],
        "metrics": {name: value}, "kvtier_metrics": {...}}
 
@@ -15,6 +15,11 @@ Prompts are token ids (no tokenizer is loaded). TTFT here is measured as the
 wall time of a request generated alone with max_tokens=1 when ``one_by_one``
 and ``max_tokens == 1``; otherwise it is the request's own
 ``metrics.first_token_latency`` when vLLM reports it.
+
+``wait_for`` pauses the engine before a phase until the file ``path`` exists
+(at most ``wait_timeout_s``, default 300 s; then the run fails). The runner
+first creates ``path + ".reached"``, so that a test knows the engine is idle
+there and can act between phases (kill or restart a storage server).
 """
 
 from __future__ import annotations
@@ -52,6 +57,15 @@ def _drop_tiers(names, drop_page_cache: bool) -> None:
                 tier.drop_cache()
 
 
+def _wait_for(path: str, timeout_s: float) -> None:
+    open(path + ".reached", "w").close()
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"wait_for: {path} did not appear within {timeout_s:.0f} s")
+        time.sleep(0.05)
+
+
 def main(spec_path: str, out_path: str) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -72,6 +86,8 @@ def main(spec_path: str, out_path: str) -> int:
             max_tokens=phase.get("max_tokens", 4), temperature=0.0, detokenize=False,
             logprobs=phase.get("logprobs"),
         )
+        if phase.get("wait_for"):
+            _wait_for(phase["wait_for"], phase.get("wait_timeout_s", 300))
         if phase.get("reset_prefix_cache"):
             llm.reset_prefix_cache()
         _drop_tiers(phase.get("drop_tiers", ()), phase.get("drop_page_cache", False))
