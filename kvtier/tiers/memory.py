@@ -52,7 +52,13 @@ class MemoryTier(Tier):
 
     def _get(self, key: ChunkKey) -> _Entry | None:
         e = self._entries.get(key.digest)
-        if e is None or not e.obj.header.matches(key):
+        if e is None:
+            return None
+        if not e.obj.header.matches(key):
+            # Same name, other chunk (a naming-digest collision): a miss,
+            # counted like a failed check in the persistent tiers. The entry
+            # stays: it is the rightful object of its own key.
+            self.metrics.corrupt()
             return None
         return e
 
