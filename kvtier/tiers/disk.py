@@ -131,9 +131,13 @@ class DiskTier(FileTier):
             return False
         with self._lock:
             victims = self._evict_locked(size)
-            self._used += size
+            # Writes admitted but not yet published are not in the index and
+            # cannot be evicted: if they alone leave no room, refuse.
+            admitted = self._used + size <= self.capacity
+            if admitted:
+                self._used += size
         self._unlink_victims(victims)
-        return True
+        return admitted
 
     def _evict_locked(self, incoming: int) -> list[Path]:
         victims = []
@@ -174,10 +178,13 @@ class DiskTier(FileTier):
                 self._record(key)
 
     def _forget(self, key: ChunkKey) -> None:
+        # Called after a read found no file, a delete or a quarantine. A store
+        # of the same key may have published a fresh file meanwhile (and
+        # indexed it, or be about to): forgetting that one would leave a file
+        # on disk that capacity no longer counts. So look before dropping.
         with self._lock:
-            entry = self._index.pop(key.digest, None)
-            if entry is not None:
-                self._used -= entry[1]
+            if key.digest in self._index and not self.dir.exists(key):
+                self._used -= self._index.pop(key.digest)[1]
             used = self._used
         self.metrics.used(used)
 
@@ -185,8 +192,10 @@ class DiskTier(FileTier):
         """Delete every object of this tier; returns how many."""
         with self._lock:
             victims = [path for path, _ in self._index.values()]
+            # Minus what was indexed only: writes admitted and still in
+            # flight keep their share until they publish (or fail).
+            self._used -= sum(size for _, size in self._index.values())
             self._index.clear()
-            self._used = 0
         self._unlink_victims(victims)
         return len(victims)
 
