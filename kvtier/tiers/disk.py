@@ -55,7 +55,9 @@ class DiskTier(FileTier):
             log.info("tier %s: swept %d orphaned temp files", self.name, swept)
         self._log_path = self.dir.base / "access.log"
         self._rebuild_index()
-        self._log = open(self._log_path, "ab", buffering=1 << 16)
+        fd = os.open(self._log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        self._log = os.fdopen(fd, "ab", buffering=1 << 16)
+        self._log_failed = False
         self._last_flush = time.monotonic()
         self.metrics.used(self._used)
 
@@ -74,12 +76,12 @@ class DiskTier(FileTier):
         return fd
 
     def _rebuild_index(self) -> None:
-        files: dict[bytes, tuple[Path, int, float]] = {}
+        files: dict[bytes, tuple[Path, int, float, bytes]] = {}
         for e in self.dir.scan():
             try:
-                files[bytes.fromhex(e.key_hex)] = (e.path, e.size, e.mtime)
+                files[bytes.fromhex(e.key_hex)] = (e.path, e.size, e.mtime, bytes.fromhex(e.ns_hex)[:8])
             except ValueError:
-                continue
+                continue  # not a name kvtier writes: not ours to count or evict
         last: dict[bytes, float] = {}
         try:
             data = self._log_path.read_bytes()
@@ -90,27 +92,52 @@ class DiskTier(FileTier):
             last[digest] = t
         order = sorted(files, key=lambda d: last.get(d, files[d][2]))
         for d in order:
-            path, size, _ = files[d]
+            path, size, _, _ = files[d]
             self._index[d] = (path, size)
             self._used += size
-        tmp = self._log_path.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            for d in order:
-                f.write(_REC.pack(d, bytes.fromhex(files[d][0].parent.parent.name)[:8], last.get(d, files[d][2])))
-        os.replace(tmp, self._log_path)
+        self._compact_log([_REC.pack(d, files[d][3], last.get(d, files[d][2])) for d in order], len(data))
         # Over capacity after a restart with a smaller limit: evict now.
         with self._lock:
             victims = self._evict_locked(0)
         self._unlink_victims(victims)
 
+    def _compact_log(self, records: list[bytes], old_len: int) -> None:
+        """Rewrite the log with one record per object. On a full disk the old
+        log stays (recency is a hint; objects never depend on it), cut to
+        whole records so that appends stay aligned."""
+        tmp = self._log_path.with_suffix(".tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(b"".join(records))
+            os.replace(tmp, self._log_path)
+        except OSError as exc:
+            log.warning("tier %s: cannot compact the access log (%s); keeping it", self.name, exc.strerror or exc)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            if old_len % _REC.size:
+                os.truncate(self._log_path, old_len - old_len % _REC.size)
+
     def _record(self, key: ChunkKey) -> None:
         # Caller holds self._lock (the log shares it). Flushed every few
         # seconds: a crash loses at most that much recency, never objects.
-        self._log.write(_REC.pack(key.digest, key.ns[:8], time.time()))
-        now = time.monotonic()
-        if now - self._last_flush > _FLUSH_S:
-            self._log.flush()
-            self._last_flush = now
+        # A log that cannot be written (disk full) is given up for this run:
+        # recency is a hint, and reads must not fail for it.
+        if self._log_failed:
+            return
+        try:
+            self._log.write(_REC.pack(key.digest, key.ns[:8], time.time()))
+            now = time.monotonic()
+            if now - self._last_flush > _FLUSH_S:
+                self._log.flush()
+                self._last_flush = now
+        except OSError as exc:
+            self._log_failed = True
+            log.warning("tier %s: access log write failed (%s); recency is not recorded until restart",
+                        self.name, exc.strerror or exc)
+            self.metrics.error("access_log")
 
     def lookup(self, keys, timeout: float | None = None) -> int:
         """Answered from the in-memory index: no I/O, no wait."""
@@ -208,7 +235,10 @@ class DiskTier(FileTier):
         super().close()
         with self._lock:
             if not self._log.closed:
-                self._log.close()
+                try:
+                    self._log.close()
+                except OSError:  # disk full: the tail of the log is lost, not an object
+                    pass
         if self._lockfd >= 0:
             os.close(self._lockfd)
             self._lockfd = -1

@@ -9,6 +9,7 @@ removed objects (``_forget``).
 
 from __future__ import annotations
 
+import errno
 import logging
 import time
 from typing import Sequence
@@ -105,8 +106,12 @@ class FileTier(PooledIO, Tier):
         except OSError as exc:
             self._unadmit(key, obj)
             log.warning("tier %s: write failed (%s); chunk dropped", self.name, exc.strerror or exc)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                # A full file system (or quota) is not a failing one: reads
+                # must go on, so the breaker does not count it.
+                return False, "no_space"
             self._guard(False, "store")
-            return False, "no_space" if exc.errno in (28, 122) else "error"
+            return False, "error"
         self._guard(True, "store")
         self._stored(key, obj)
         self.metrics.wrote(obj.nbytes)
