@@ -1,107 +1,13 @@
-"""The redis tier in the contract suite, against a real ``redis-server``.
-
-``RedisServer`` starts one server on a free loopback port (no persistence,
-a temporary directory) and stops it by its own PID; ``test_redis.py`` uses it
-for single servers and cluster nodes too.
+"""The redis tier in the contract suite, against a real ``redis-server``
+(``redisserver.RedisServer``: one server on a free loopback port, stopped by
+its own PID).
 """
 
 from __future__ import annotations
 
-import shutil
-import signal
-import socket
-import subprocess
-import time
-from pathlib import Path
-
-import pytest
-
 from kvtier.tiers.redis import RedisConfig, RedisTier
 from tests.tiers.harness import Harness
-
-REDIS_SERVER = shutil.which("redis-server")
-
-
-def free_port(bus: bool = False) -> int:
-    """A loopback port free now (and, for cluster nodes, port + 10000 too)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if not bus:
-            return port
-        if port + 10000 < 65536:
-            try:
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port + 10000))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError("no free port pair")
-
-
-class RedisServer:
-    """One redis-server process bound to 127.0.0.1, owned by a test."""
-
-    def __init__(self, dir_: Path, port: int | None = None, cluster: bool = False):
-        if REDIS_SERVER is None:
-            pytest.skip("redis-server is not installed (make sysdeps installs it)")
-        self.dir = dir_
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.cluster = cluster
-        self.port = port or free_port(bus=cluster)
-        self.proc: subprocess.Popen | None = None
-        self.start()
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def start(self, timeout: float = 10.0) -> None:
-        args = [
-            REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-            "--dir", str(self.dir), "--protected-mode", "yes", "--loglevel", "warning",
-        ]
-        if self.cluster:
-            args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000"]
-        log = open(self.dir / "server.log", "ab")
-        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        log.close()
-        deadline = time.monotonic() + timeout
-        try:
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"redis-server exited ({self.proc.returncode}): {(self.dir / 'server.log').read_text()[-500:]}")
-                if self.ping():
-                    return
-                if time.monotonic() > deadline:
-                    raise RuntimeError("redis-server did not answer in time")
-                time.sleep(0.02)
-        except BaseException:
-            self.stop()
-            raise
-
-    def ping(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
-                s.sendall(b"PING\r\n")
-                return s.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
-
-    def cli(self, *args: str) -> str:
-        out = subprocess.run(
-            ["redis-cli", "-h", "127.0.0.1", "-p", str(self.port), *args], capture_output=True, timeout=10, check=True
-        )
-        return out.stdout.decode()
-
-    def stop(self) -> None:
-        """Kill the server (SIGKILL: no shutdown work, like a crash) and reap it."""
-        proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
+from tests.tiers.redisserver import RedisServer
 
 
 class RedisHarness(Harness):

@@ -18,8 +18,8 @@ from kvtier.engine.store import TieredStore
 from kvtier.errors import ConfigError
 from kvtier.tiers.redis import RedisConfig, RedisTier
 from tests.support import NS, OBJ, assert_object, make_chunks, payload_for, shape_for
-from tests.tiers.harness import HARNESSES  # first: it imports harness_redis (the other order is circular)
-from tests.tiers.harness_redis import RedisServer, free_port
+from tests.tiers.harness import HARNESSES
+from tests.tiers.redisserver import RedisServer, free_port
 
 SOCKET_TIMEOUT = 0.5
 
