@@ -1,0 +1,235 @@
+"""The endpoint client against small fake OpenAI-compatible servers (no vLLM):
+streaming, token-id prompts, routing, per-server metric deltas, errors.
+The real thing (two vllm serve processes) is tests/integrations/vllm/test_serve.py."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from kvtier.bench import endpoint
+from kvtier.bench.workloads import Phase, Request, Workload, w3
+
+BLOCK = 128
+
+
+class FakeServer:
+    """Streams ``max_tokens`` tokens (a function of the prompt), one chunk
+    each, the first after ``first_delay_s``; counts prompts it has seen
+    before (whole blocks) as cached; exposes vLLM/kvtier-named counters. The
+    request counter is bumped ``stats_lag_s`` after the stream ends, as vLLM
+    records stats after streaming."""
+
+    def __init__(self, name: str, first_delay_s: float = 0.0, stats_lag_s: float = 0.0, fail: bool = False):
+        self.name = name
+        self.first_delay_s = first_delay_s
+        self.stats_lag_s = stats_lag_s
+        self.fail = fail
+        self.seen: set[tuple[int, ...]] = set()
+        self.bodies: list[dict] = []
+        self.counters: dict[str, float] = {}
+        self.lock = threading.Lock()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def _send(self, code: int, body: bytes, ctype: str = "application/json"):
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                if self.path == "/v1/models":
+                    self._send(200, json.dumps({"data": [{"id": f"model-{server.name}"}]}).encode())
+                elif self.path == "/metrics":
+                    self._send(200, server.exposition().encode(), "text/plain")
+                else:
+                    self._send(404, b"{}")
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                server.bodies.append(body)
+                if server.fail:
+                    self._send(500, b'{"error": "boom"}')
+                    return
+                prompt = tuple(body["prompt"])
+                cached = server.cached(prompt)
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Connection", "close")
+                self.end_headers()
+                time.sleep(server.first_delay_s)
+                for i in range(body["max_tokens"]):
+                    tok = (sum(prompt) + i) % 1000
+                    chunk = {"choices": [{"index": 0, "text": "", "token_ids": [tok]}]}
+                    if i == 0:
+                        chunk["choices"][0]["prompt_token_ids"] = list(prompt)
+                    self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                usage = {"prompt_tokens": len(prompt), "prompt_tokens_details": {"cached_tokens": cached}}
+                self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
+                self.wfile.write(b"data: [DONE]\n\n")
+                self.wfile.flush()
+                self.close_connection = True
+                threading.Timer(server.stats_lag_s, server.count_request, (len(prompt),)).start()
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def cached(self, prompt: tuple[int, ...]) -> int:
+        with self.lock:
+            n = (len(prompt) - 1) // BLOCK * BLOCK
+            hit = n if prompt[:n] in self.seen else 0
+            self.seen.add(prompt[:n])
+            if hit:
+                self._inc('kvtier_vllm_external_hit_tokens_total{tier="shared"}', hit)
+                self._inc('vllm:external_prefix_cache_hits_total{engine="0",model_name="m"}', hit)
+            return hit
+
+    def count_request(self, prompt_tokens: int) -> None:
+        with self.lock:
+            self._inc('vllm:request_success_total{engine="0",finished_reason="length",model_name="m"}', 1)
+            self._inc('vllm:prompt_tokens_total{engine="0",model_name="m"}', prompt_tokens)
+
+    def _inc(self, key: str, v: float) -> None:
+        self.counters[key] = self.counters.get(key, 0.0) + v
+
+    def exposition(self) -> str:
+        with self.lock:
+            lines = []
+            for name in sorted({k.split("{")[0] for k in self.counters}):
+                lines.append(f"# TYPE {name} counter")
+                lines += [f"{k} {v}" for k, v in self.counters.items() if k.split("{")[0] == name]
+            lines.append("# TYPE kvtier_used_bytes gauge")
+            lines.append('kvtier_used_bytes{pid="1",tier="shared"} 123.0')
+            return "\n".join(lines) + "\n"
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def servers():
+    made: list[FakeServer] = []
+
+    def make(n: int, **kw) -> list[FakeServer]:
+        made.extend(FakeServer(f"s{i}", **kw) for i in range(n))
+        return made[-n:]
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def test_w3_routes_by_instance_and_attributes_hits_per_server(servers):
+    a, b = servers(2, stats_lag_s=0.3)
+    wl = w3(sessions=6, context=300, vocab=500, instances=2, seed=3)
+    out = endpoint.run_workload(wl, [a.url, b.url], routing="workload")
+
+    assert out["models"] == ["model-s0", "model-s1"]
+    assert [p["name"] for p in out["phases"]] == ["warm", "resume"]
+    recs = {r["id"]: r for r in out["records"]}
+    assert len(recs) == 12
+    for r in out["records"]:
+        assert r["endpoint"] == r["instance"] and r["server"] == [a.url, b.url][r["instance"]]
+        assert r["ttft_s"] > 0 and r["output_tokens"] == 1
+    # What each fake got: token ids as the prompt, greedy, streamed with usage.
+    body = a.bodies[0]
+    assert isinstance(body["prompt"], list) and all(isinstance(t, int) for t in body["prompt"])
+    assert body["stream"] and body["stream_options"] == {"include_usage": True} and body["temperature"] == 0.0
+    assert body["return_token_ids"] and body["model"] == "model-s0"
+
+    # A resume on the server that warmed it hits there; elsewhere it misses.
+    resume = out["phases"][1]
+    expect_hits = [0, 0]
+    for i in range(6):
+        w, r = recs[f"s{i}-warm"], recs[f"s{i}-resume"]
+        same = w["endpoint"] == r["endpoint"]
+        assert r["cached_tokens"] == (256 if same else 0)
+        expect_hits[r["endpoint"]] += 256 if same else 0
+    assert 0 < sum(expect_hits) < 6 * 256, "seed 3 must mix same- and other-server resumes"
+    for k, srv in enumerate(resume["servers"]):
+        sent = sum(1 for r in out["records"] if r["phase"] == "resume" and r["endpoint"] == k)
+        assert srv["requests"] == sent
+        # The request counter lags the stream by 0.3 s: the scrape waited for it.
+        assert srv["summary"]["requests"] == sent
+        assert srv["summary"]["prompt_tokens"] == 300 * sent
+        assert srv["summary"]["kvtier_hit_tokens_by_tier"].get("shared", 0) == expect_hits[k]
+        assert srv["summary"]["external_prefix_cache_hits"] == expect_hits[k]
+        assert not any(key.startswith("kvtier_used_bytes") for key in srv["metrics"]), "gauges are not deltas"
+    assert out["phases"][0]["servers"][0]["summary"]["kvtier_hit_tokens_by_tier"] == {}
+    assert any("cold" in n for n in out["notes"])
+
+
+def test_sticky_keeps_sessions_and_random_spreads_them(servers):
+    a, b, c = servers(3)
+    wl = w3(sessions=12, context=200, vocab=500, instances=3, seed=1)
+    urls = [a.url, b.url, c.url]
+    sticky = endpoint.run_workload(wl, urls, routing="sticky", seed=5)
+    where = {}
+    for r in sticky["records"]:
+        assert where.setdefault(r["session"], r["endpoint"]) == r["endpoint"]
+        if r["phase"] == "resume":
+            assert r["cached_tokens"] == 128  # (200 - 1) // 128 * 128, on the same server
+    assert len(set(where.values())) > 1
+
+    rnd = endpoint.run_workload(wl, urls, routing="random", seed=5)
+    moved = sum(1 for s in range(12)
+                if {r["endpoint"] for r in rnd["records"] if r["session"] == s}.__len__() > 1)
+    assert moved > 0
+    assert {r["endpoint"] for r in rnd["records"]} == {0, 1, 2}
+
+
+def test_ttft_is_time_to_first_streamed_token(servers):
+    (a,) = servers(1, first_delay_s=0.3)
+    reqs = (Request("r0", 0, 0, tuple(range(3, 50)), 3),)
+    wl = Workload("T", "one request", (Phase("p", reqs),))
+    out = endpoint.run_workload(wl, [a.url], models=["m"])
+    (r,) = out["records"]
+    assert 0.3 <= r["ttft_s"] < 2.0
+    assert r["output"] == [(sum(range(3, 50)) + i) % 1000 for i in range(3)]
+    assert a.bodies[0]["model"] == "m"
+
+
+def test_a_failing_server_fails_the_run(servers):
+    (a,) = servers(1, fail=True)
+    wl = Workload("T", "one request", (Phase("p", (Request("r0", 0, 0, (5, 6, 7), 1),)),))
+    with pytest.raises(endpoint.EndpointError, match="HTTP 500"):
+        endpoint.run_workload(wl, [a.url], models=["m"], settle_s=0.5)
+
+
+def test_unreachable_endpoint_is_named():
+    with pytest.raises(endpoint.EndpointError, match="127.0.0.1:9"):
+        endpoint.served_model("http://127.0.0.1:9", timeout_s=2)
+
+
+def test_scrape_parsing_and_deltas():
+    text = (
+        "# TYPE kvtier_vllm_external_hit_tokens counter\n"
+        'kvtier_vllm_external_hit_tokens_total{tier="disk"} 5.0\n'
+        'kvtier_vllm_external_hit_tokens_total{tier="shared"} 7.0\n'
+    )
+    samples = {}
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            samples[f"{s.name}{{tier={s.labels['tier']}}}"] = s.value
+    after = dict(samples)
+    after["kvtier_vllm_external_hit_tokens_total{tier=shared}"] += 10
+    d = endpoint.delta(samples, after)
+    assert d == {"kvtier_vllm_external_hit_tokens_total{tier=shared}": 10}
+    assert endpoint.by_label(after, endpoint.HIT_TOKENS, "tier") == {"disk": 5, "shared": 17}
+    assert endpoint.total(after, endpoint.HIT_TOKENS) == 22
