@@ -176,10 +176,7 @@ class DiskTier(FileTier):
 
     def _unlink_victims(self, victims: list[Path]) -> None:
         for path in victims:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+            self.dir.unlink_path(path)
         if victims:
             self.metrics.evicted(len(victims))
             self.metrics.used(self._used)

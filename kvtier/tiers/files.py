@@ -21,6 +21,7 @@ import logging
 import os
 import secrets
 import socket
+import stat
 import threading
 import time
 from concurrent.futures import Future, TimeoutError as FutureTimeout
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from kvtier.buffers import BufferPool, align_up
-from kvtier.codec import HEADER_BLOCK, MAX_PAYLOAD, ChunkObject, decode
+from kvtier.codec import HEADER_BLOCK, MAX_PAYLOAD, ChunkObject, Header, decode, parse_header
 from kvtier.config import ConfigError, opt, size_field
 from kvtier.engine.executor import LOAD, PriorityExecutor
 from kvtier.errors import CorruptObject
@@ -40,6 +41,11 @@ log = logging.getLogger(__name__)
 LAYOUT_DIR = "kvtier-v1"
 SUFFIX = ".kvc"
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+_NOT_OURS = (errno.ELOOP, errno.ENOTDIR)  # a symlink or a file where a folder belongs
+# Objects larger than this are trusted with an allocation of their size only
+# after their header verified (real chunks are a few MiB to tens of MiB).
+_CHECK_HEADER_FIRST = 16 << 20
 _HOST = socket.gethostname().replace(".", "_")[:64] or "host"
 
 
@@ -105,39 +111,82 @@ class ObjectDir:
 
     # ------------------------------------------------------------ names
     def path(self, key: ChunkKey) -> Path:
+        parts, name = self._rel(key)
+        return self.base.joinpath(*parts, name)
+
+    def _rel(self, key: ChunkKey) -> tuple[tuple[str, ...], str]:
         h = key.digest.hex()
-        return self.objects / key.ns[:8].hex() / h[:2] / (h + SUFFIX)
+        return ("objects", key.ns[:8].hex(), h[:2]), h + SUFFIX
+
+    def _open_dir(self, parts: Sequence[str], create: bool = False) -> int:
+        """A descriptor of ``base/parts...``, each level opened with
+        O_NOFOLLOW: a symlink planted in a shared folder must never lead
+        kvtier outside the store (O_NOFOLLOW on a whole path only guards its
+        last component). Missing levels are created 0700 with ``create``,
+        else FileNotFoundError; a symlink or a file where a folder belongs
+        raises OSError (ELOOP or ENOTDIR)."""
+        fd = os.open(self.base, _DIR_FLAGS)
+        try:
+            for part in parts:
+                try:
+                    nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                except FileNotFoundError:
+                    if not create:
+                        raise
+                    try:
+                        os.mkdir(part, 0o700, dir_fd=fd)
+                    except FileExistsError:
+                        pass
+                    nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                os.close(fd)
+                fd = nxt
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     # ------------------------------------------------------------ read
     def read(self, key: ChunkKey, o_direct: bool, cold: bool, pool: BufferPool | None = None) -> tuple[ChunkObject, float]:
         """Read and verify one object into a buffer from ``pool``. Returns it
         with the file's mtime.
 
-        Raises FileNotFoundError for a miss, CorruptObject for a bad object,
+        Raises FileNotFoundError for a miss, CorruptObject for a bad object
+        (a symlink, FIFO or other non-file where an object belongs included),
         OSError for I/O trouble.
         """
-        path = self.path(key)
-        flags = os.O_RDONLY | os.O_NOFOLLOW
-        direct = o_direct and self.direct_ok and _O_DIRECT
-        fd = -1
-        if direct:
-            try:
-                fd = os.open(path, flags | _O_DIRECT)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                self.direct_ok = direct = False  # this file system refuses O_DIRECT
-        if fd < 0:
-            fd = os.open(path, flags)
+        parts, name = self._rel(key)
+        try:
+            dfd = self._open_dir(parts)
+        except OSError as exc:
+            if exc.errno in _NOT_OURS:
+                raise CorruptObject(f"a symlink or file where a folder belongs ({exc.strerror})") from None
+            raise
+        try:
+            fd = self._open_object(dfd, name, o_direct)
+        finally:
+            os.close(dfd)
+        direct = fd[1]
+        fd = fd[0]
         try:
             st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptObject("not a regular file")
             if st.st_size < HEADER_BLOCK or st.st_size > HEADER_BLOCK + MAX_PAYLOAD:
                 raise CorruptObject(f"object size {st.st_size} out of range")
             pool = pool if pool is not None else BufferPool(0)
-            buf = pool.get(align_up(st.st_size))
+            size = st.st_size
+            if size > _CHECK_HEADER_FIRST:
+                # Large: believe the file's size only once its header (and
+                # the key it echoes) checks out, so that a doubtful file never
+                # costs an allocation and a read of its whole length.
+                need = _header_first(fd, key, pool).object_len
+                if size < need:
+                    raise CorruptObject(f"truncated: {size} B, need {need}")
+                size = need
+            buf = pool.get(align_up(size))
             got = 0
             try:
-                while got < st.st_size:
+                while got < size:
                     n = os.preadv(fd, [buf[got:]], got)
                     if n <= 0:
                         break
@@ -152,32 +201,62 @@ class ObjectDir:
             os.close(fd)
         return obj, st.st_mtime
 
+    def _open_object(self, dfd: int, name: str, o_direct: bool) -> tuple[int, bool]:
+        # O_NONBLOCK: a FIFO planted under an object's name must not block
+        # the reader (it has no effect on regular files).
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
+        try:
+            if o_direct and self.direct_ok and _O_DIRECT:
+                try:
+                    return os.open(name, flags | _O_DIRECT, dir_fd=dfd), True
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+                fd = os.open(name, flags, dir_fd=dfd)
+                if stat.S_ISREG(os.fstat(fd).st_mode):
+                    self.direct_ok = False  # this file system refuses O_DIRECT
+                return fd, False
+            return os.open(name, flags, dir_fd=dfd), False
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise CorruptObject("the object is a symlink") from None
+            raise
+
     # ------------------------------------------------------------ write
     def write(self, obj: ChunkObject, key: ChunkKey, fsync: bool) -> None:
         """Publish ``obj`` atomically under ``key``'s name."""
-        final = self.path(key)
-        tmp = self.tmp / f"{_HOST}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        parts, name = self._rel(key)
+        tmp = f"{_HOST}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
+        tdir = self._open_dir(("tmp",))
         try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=tdir)
             try:
-                view = obj.buf
-                done = 0
-                while done < view.nbytes:
-                    done += os.write(fd, view[done:])
-                if fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            # parents=True creates the missing levels with default permissions:
-            # make the namespace folder and the fan-out folder 0700 explicitly.
-            final.parent.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            final.parent.mkdir(mode=0o700, exist_ok=True)
-            os.rename(tmp, final)
-        except BaseException:
-            _unlink(tmp)
-            raise
+                try:
+                    view = obj.buf
+                    done = 0
+                    while done < view.nbytes:
+                        done += os.write(fd, view[done:])
+                    if fsync:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+                ddir = self._open_dir(parts, create=True)
+                try:
+                    os.rename(tmp, name, src_dir_fd=tdir, dst_dir_fd=ddir)
+                finally:
+                    os.close(ddir)
+            except BaseException:
+                try:
+                    os.unlink(tmp, dir_fd=tdir)
+                except OSError:
+                    pass
+                raise
+        finally:
+            os.close(tdir)
 
     def exists(self, key: ChunkKey) -> bool:
+        # A plain stat (one round trip on a network mount). It may follow a
+        # planted folder link: that only answers "present"; the read refuses.
         try:
             return os.stat(self.path(key), follow_symlinks=False).st_size >= HEADER_BLOCK
         except OSError:
@@ -185,41 +264,101 @@ class ObjectDir:
 
     def unlink(self, key: ChunkKey) -> int:
         """Remove an object; returns the bytes freed (0 if it was not there)."""
-        path = self.path(key)
+        return self._unlink_at(*self._rel(key)) or 0
+
+    def unlink_path(self, path: Path) -> int | None:
+        """Remove a file found under ``base`` (by ``scan`` or an index);
+        returns its size, or None if nothing was removed."""
+        parts = path.relative_to(self.base).parts
+        return self._unlink_at(parts[:-1], parts[-1])
+
+    def _unlink_at(self, parts: Sequence[str], name: str) -> int | None:
         try:
-            size = os.stat(path, follow_symlinks=False).st_size
-            os.unlink(path)
+            dfd = self._open_dir(parts)
+        except OSError:
+            return None  # gone, or a planted link: nothing of ours to remove
+        try:
+            size = os.stat(name, dir_fd=dfd, follow_symlinks=False).st_size
+            os.unlink(name, dir_fd=dfd)
             return size
         except FileNotFoundError:
-            return 0
+            return None
+        finally:
+            os.close(dfd)
+
+    def touch(self, key: ChunkKey, when: float) -> None:
+        """Stamp an object's mtime (raises OSError if it is gone)."""
+        parts, name = self._rel(key)
+        dfd = self._open_dir(parts)
+        try:
+            os.utime(name, (when, when), dir_fd=dfd, follow_symlinks=False)
+        finally:
+            os.close(dfd)
 
     def quarantine(self, key: ChunkKey) -> None:
         """Move a bad object aside so that nobody reads it again."""
-        src = self.path(key)
-        dst = self.quarantine_dir / f"{key.digest.hex()}.{int(time.time())}{SUFFIX}"
+        parts, name = self._rel(key)
+        dst = f"{key.digest.hex()}.{int(time.time())}{SUFFIX}"
         try:
-            os.rename(src, dst)
-        except FileNotFoundError:
-            pass
+            src = self._open_dir(parts)
         except OSError:
-            _unlink(src)
+            return  # gone, or a planted link: nothing of ours to move
+        try:
+            try:
+                qdir = self._open_dir(("quarantine",), create=True)
+            except OSError:
+                _unlink_at(src, name)  # nowhere safe to keep it: remove it
+                return
+            try:
+                os.rename(name, dst, src_dir_fd=src, dst_dir_fd=qdir)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                _unlink_at(src, name)
+            finally:
+                os.close(qdir)
+        finally:
+            os.close(src)
 
     # ------------------------------------------------------------ housekeeping
     def sweep_tmp(self, max_age_s: float, now: float | None = None) -> int:
         """Remove temp files left by dead writers: this host's files whose
         writer process is gone, and anyone's older than ``max_age_s``."""
         now = time.time() if now is None else now
-        removed = 0
-        for entry in _scandir(self.tmp):
-            host, _, rest = entry.name.partition(".")
+
+        def dead_or_old(name: str, mtime: float) -> bool:
+            host, _, rest = name.partition(".")
             pid_s = rest.partition(".")[0]
             dead = host == _HOST and pid_s.isdigit() and not _pid_alive(int(pid_s))
-            try:
-                old = now - entry.stat(follow_symlinks=False).st_mtime > max_age_s
-            except FileNotFoundError:
-                continue
-            if dead or old:
-                removed += _unlink(Path(entry.path))
+            return dead or now - mtime > max_age_s
+
+        return self._sweep("tmp", dead_or_old)
+
+    def sweep_quarantine(self, max_age_s: float) -> int:
+        """Remove quarantined objects older than ``max_age_s``."""
+        now = time.time()
+        return self._sweep("quarantine", lambda name, mtime: now - mtime > max_age_s)
+
+    def _sweep(self, folder: str, doomed: Callable[[str, float], bool]) -> int:
+        # Through a descriptor opened with O_NOFOLLOW: a folder replaced by a
+        # link to somewhere else is not swept.
+        try:
+            dfd = self._open_dir((folder,))
+        except OSError:
+            return 0
+        removed = 0
+        try:
+            with os.scandir(dfd) as it:
+                entries = list(it)
+            for entry in entries:
+                try:
+                    mtime = entry.stat(follow_symlinks=False).st_mtime
+                except FileNotFoundError:
+                    continue
+                if doomed(entry.name, mtime):
+                    removed += _unlink_at(dfd, entry.name)
+        finally:
+            os.close(dfd)
         return removed
 
     def scan(self) -> Iterator[ObjectEntry]:
@@ -264,12 +403,25 @@ def _scandir(path: Path):
         return
 
 
-def _unlink(path: Path) -> int:
+def _unlink_at(dir_fd: int, name: str) -> int:
     try:
-        os.unlink(path)
+        os.unlink(name, dir_fd=dir_fd)
         return 1
     except OSError:
         return 0
+
+
+def _header_first(fd: int, key: ChunkKey, pool: BufferPool) -> Header:
+    """Read and check an object's header block alone (raises CorruptObject)."""
+    head = pool.get(HEADER_BLOCK)
+    try:
+        n = os.preadv(fd, [head], 0)
+        header = parse_header(head[: max(0, n)])
+    finally:
+        pool.put(head)
+    if not header.matches(key):
+        raise CorruptObject("key, check, namespace or token count does not match the requested key")
+    return header
 
 
 def _pid_alive(pid: int) -> bool:

@@ -33,7 +33,7 @@ from kvtier.engine.executor import MAINTENANCE
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import TierStats
 from kvtier.tiers.filetier import FileTier
-from kvtier.tiers.files import FileTierConfig, _HOST, _pid_alive, _scandir
+from kvtier.tiers.files import FileTierConfig, _HOST, _pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class SharedTier(FileTier):
         if now - mtime < self.config.touch_interval_s:
             return
         try:
-            os.utime(self.dir.path(key), (now, now), follow_symlinks=False)
+            self.dir.touch(key, now)
         except OSError:
             pass  # deleted meanwhile: nothing to stamp
 
@@ -150,11 +150,8 @@ class SharedTier(FileTier):
                 for e in entries:
                     if after <= target:
                         break
-                    if not dry_run:
-                        try:
-                            os.unlink(e.path)
-                        except FileNotFoundError:
-                            continue
+                    if not dry_run and self.dir.unlink_path(e.path) is None:
+                        continue  # gone meanwhile (or not ours to remove)
                     after -= e.size
                     deleted += 1
             tmp_swept = q_swept = 0
@@ -236,15 +233,7 @@ class SharedTier(FileTier):
                 return ""
 
     def _sweep_quarantine(self, max_age_s: float = 86400.0) -> int:
-        now, n = time.time(), 0
-        for e in _scandir(self.dir.quarantine_dir):
-            try:
-                if now - e.stat(follow_symlinks=False).st_mtime > max_age_s:
-                    os.unlink(e.path)
-                    n += 1
-            except OSError:
-                continue
-        return n
+        return self.dir.sweep_quarantine(max_age_s)
 
     # ------------------------------------------------------------ contract
     def _delete_now(self, keys) -> int:
