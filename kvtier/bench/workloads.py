@@ -79,15 +79,17 @@ class Workload:
         return Workload(d["name"], d["description"], phases, d["instances"], d.get("params", {}))
 
     def for_instance(self, k: int) -> "Workload":
-        """The part of the workload that instance ``k`` serves (dependencies
-        on requests served elsewhere are dropped: the router resolves them)."""
+        """The part of the workload that instance ``k`` serves: its requests,
+        and its share of each phase's concurrency (dependencies on requests
+        served elsewhere are dropped: the router resolves them)."""
         phases = []
         for p in self.phases:
             reqs = tuple(r for r in p.requests if r.instance == k)
             ids = {r.id for r in reqs}
             reqs = tuple(r if r.after is None or r.after in ids else Request(**{**asdict(r), "after": None})
                          for r in reqs)
-            phases.append(Phase(p.name, reqs, p.concurrency, p.measured, p.cold))
+            share = max(1, -(-p.concurrency // self.instances))
+            phases.append(Phase(p.name, reqs, share, p.measured, p.cold))
         return Workload(self.name, self.description, tuple(phases), 1, self.params)
 
 
@@ -171,3 +173,13 @@ def w2(shape: ChatShape, vocab: int, seed: int = 0) -> Workload:
         (Phase("chat", tuple(reqs), concurrency=shape.concurrency),),
         params={**asdict(shape), "seed": seed},
     )
+
+
+def w0(sessions: int, context: int, vocab: int, seed: int = 0, concurrency: int = 2) -> Workload:
+    """Zero hits: distinct prompts only, so a connector can only cost (its
+    lookups miss, its saves run). Measures kvtier's overhead."""
+    rng = random.Random(seed * 1000 + context + 1)
+    reqs = tuple(Request(f"s{i}", i, 0, _tokens(rng, context, vocab), 8) for i in range(sessions))
+    return Workload("W0", f"zero-hit overhead: {sessions} distinct prompts of {context} tokens, "
+                    f"concurrency {concurrency}", (Phase("fresh", reqs, concurrency=concurrency),),
+                    params={"sessions": sessions, "context": context, "seed": seed})

@@ -1,29 +1,39 @@
-"""Smoke run of `kvtier bench resume` (W1) with the tiny model: every
-configuration runs in a real vLLM engine and the report has what the issue
-names. Speed is a benchmark matter, not asserted here."""
+"""Smoke runs of `kvtier bench resume` with the tiny model: every workload
+runs in real vLLM engines and the report has what the issue names. Speed is a
+benchmark matter, not asserted here; hits and routing are."""
 
 import json
 import subprocess
 import sys
 
+from kvtier.bench import workloads
+from kvtier.bench.tinymodels import PRESETS
 
-def test_bench_resume_w1_smoke(tmp_path):
-    out = tmp_path / "summary.json"
+
+def _run(tmp_path, name: str, *args: str) -> dict:
+    out = tmp_path / f"{name}.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "kvtier.cli", "bench", "resume", "--dir", str(tmp_path / "w"), "--model", "tiny-llama",
-         "--contexts", "512", "--sessions", "3", "--json", str(out), "--no-progress"],
+        [sys.executable, "-m", "kvtier.cli", "bench", "resume", "--dir", str(tmp_path / name), "--model", "tiny-llama",
+         "--json", str(out), "--no-progress", *args],
         capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "not run on this host" in proc.stdout and "lmcache" in proc.stdout
-    s = json.loads(out.read_text())
+    return {"summary": json.loads(out.read_text()), "stdout": proc.stdout,
+            "requests": [json.loads(line) for line in (tmp_path / name / "report" / "requests.jsonl").open()]}
+
+
+def test_bench_resume_w1_smoke(tmp_path):
+    run = _run(tmp_path, "w1", "--contexts", "512", "--sessions", "3")
+    assert "not run on this host" in run["stdout"] and "lmcache" in run["stdout"]
+    assert "acceptance bars:" in run["stdout"]
+    s = run["summary"]
     by = s["results"]["512"]
     assert set(by) == {"recompute", "prefix-cache", "kvtier-memory", "kvtier-disk", "kvtier-shared", "example"}
     for name, v in by.items():
         for key in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "throughput_rps", "hit_tokens"):
             assert key in v, (name, key)
         assert 0 < v["ttft_p50_s"] <= v["ttft_p90_s"] <= v["ttft_p99_s"]
-        assert len(v["ttft_s"]) == 3
+        assert len(v["ttft_s"]) == 3 and v["throughput_rps"] > 0
     # The engine evicted every session: only connectors serve the resumes.
     assert by["recompute"]["cached_tokens_p50"] == 0
     assert by["prefix-cache"]["cached_tokens_p50"] == 0
@@ -32,6 +42,47 @@ def test_bench_resume_w1_smoke(tmp_path):
         assert by[name]["hit_tokens"] == {tier: 3 * 384}, name
         assert by[name]["vllm_external_prefix_cache_hits"] == 3 * 384, name
     assert by["example"]["cached_tokens_p50"] > 0
-    report = tmp_path / "w" / "report"
-    for f in ("results.json", "report.md", "ttft_cdf.png", "speedup.png", "hits.png"):
+    # The floor and the ratios against it come from this run's own fio and memory-tier figures.
+    assert s["fio"]["512"]["best_gbps"] > 0
+    assert s["ratios"]["512"]["floor_s"] > by["kvtier-memory"]["ttft_p50_s"]
+    assert {"speedup_shared_vs_recompute", "shared_over_floor", "load_vs_example"} <= set(s["checks"]["512"])
+    # The request log: one record per request of every configuration, warm phases included.
+    assert len(run["requests"]) == 6 * 2 * 3
+    rec = next(r for r in run["requests"] if r["config"] == "kvtier-shared" and r["phase"] == "resume")
+    assert rec["workload"] == "W1" and rec["prompt_tokens"] == 512 and len(rec["hash_ids"]) == 2
+    report = tmp_path / "w1" / "report"
+    for f in ("results.json", "report.md", "requests.jsonl", "ttft_cdf.png", "speedup.png", "hits.png"):
         assert (report / f).stat().st_size > 0, f
+
+
+def test_bench_resume_w3_routes_and_shares(tmp_path):
+    """Two instances: with local disks a resume hits only where its session
+    was warmed; with the shared tier every resume hits."""
+    run = _run(tmp_path, "w3", "--workload", "w3", "--instances", "2", "--contexts", "512", "--sessions", "4",
+               "--configs", "kvtier-local-disk,kvtier-shared")
+    wl = workloads.w3(4, 512, PRESETS["tiny-llama"][6], 2)
+    warm_on = {r.session: r.instance for r in wl.phases[0].requests}
+    resumes = {(r["config"], r["session"]): r for r in run["requests"] if r["phase"] == "resume"}
+    assert len(resumes) == 8
+    for (config, session), r in resumes.items():
+        assert r["instance"] == next(q.instance for q in wl.phases[1].requests if q.session == session)
+        same = r["instance"] == warm_on[session]
+        expect = 384 if config == "kvtier-shared" or same else 0
+        assert r["cached_tokens"] == expect, (config, session, r["instance"], warm_on[session])
+    s = run["summary"]
+    assert s["instances"] == 2 and "w3_throughput_gain" in s["ratios"]["512"]
+
+
+def test_bench_resume_w2_and_w0(tmp_path):
+    run = _run(tmp_path, "w2", "--workload", "w2", "--sessions", "3", "--turns", "2,2", "--system-tokens", "256",
+               "--user-tokens", "64,128", "--answer-tokens", "4,8", "--think", "0.2", "--rate", "4",
+               "--concurrency", "2", "--configs", "recompute,kvtier-shared")
+    by = run["summary"]["results"]["chat"]
+    assert by["recompute"]["cached_fraction"] == 0
+    # Second turns resume their history from kvtier (or vLLM's own cache).
+    second = [r for r in run["requests"] if r["config"] == "kvtier-shared" and r["turn"] == 1]
+    assert len(second) == 3 and all(r["cached_tokens"] >= 256 for r in second)
+    assert all(r["output_tokens"] >= 4 for r in run["requests"])
+    w0 = _run(tmp_path, "w0", "--workload", "w0", "--contexts", "512", "--sessions", "2", "--repeats", "1")
+    assert "w0_overhead" in w0["summary"]["ratios"]["512"]
+    assert all(r["cached_tokens"] == 0 for r in w0["requests"])

@@ -81,7 +81,8 @@ class KVTierConnector(KVConnectorBase_V1):
             self._worker.wait_for_save(self._get_connector_metadata())
 
     def get_finished(self, finished_req_ids: set[str]):
-        return self._worker.get_finished(finished_req_ids)
+        idle = self.has_connector_metadata() and self._get_connector_metadata().idle
+        return self._worker.get_finished(finished_req_ids, idle=idle)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors()

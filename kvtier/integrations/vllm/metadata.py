@@ -37,3 +37,6 @@ class SaveJob:
 class KVTierMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
+    # The step computes no token: the engine only waits (for our loads among
+    # others), so the worker may block briefly for them instead of spinning.
+    idle: bool = False

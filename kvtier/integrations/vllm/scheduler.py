@@ -247,7 +247,8 @@ class KVTierScheduler:
 
     # ------------------------------------------------------------ per step
     def build_connector_meta(self, scheduler_output) -> KVTierMetadata:
-        meta = KVTierMetadata(loads=self._pending_loads)
+        meta = KVTierMetadata(loads=self._pending_loads,
+                              idle=not getattr(scheduler_output, "total_num_scheduled_tokens", 1))
         self._pending_loads = []
         scheduled = scheduler_output.num_scheduled_tokens
         for nr in scheduler_output.scheduled_new_reqs:

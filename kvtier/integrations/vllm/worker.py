@@ -32,6 +32,12 @@ from kvtier.integrations.vllm.settings import Settings
 
 log = logging.getLogger(__name__)
 
+# On a step that computes nothing, wait this long at most for a load to
+# finish reading. Spinning through empty steps instead holds the GIL, and
+# every hand-off between kvtier's I/O threads then waits out Python's switch
+# interval (5 ms): that cost ~15 ms per resumed request before this wait.
+_IDLE_WAIT_S = 0.005
+
 
 class KVTierWorker:
     def __init__(self, settings: Settings, store: TieredStore, layer_names: list[str], num_blocks: int):
@@ -45,6 +51,7 @@ class KVTierWorker:
         self._started: set[str] = set()
         self._ready: dict[str, tuple[LoadJob, list[ChunkObject]]] = {}  # read, not yet copied in
         self._errors_to_report: set[int] = set()
+        self._read_done = threading.Event()  # set when a load finished reading
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         missing = [n for n in self.layer_names if n not in kv_caches]
@@ -121,11 +128,21 @@ class KVTierWorker:
             objs = []
         with self._lock:
             self._ready[job.req_id] = (job, objs)
+        self._read_done.set()
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+    def get_finished(self, finished_req_ids: set[str], idle: bool = False) -> tuple[set[str] | None, set[str] | None]:
         """Copy every load that finished reading into its engine blocks, here
         on the engine's thread: a few memcpys per chunk, which a loader thread
-        would do far slower, waiting for the GIL between each."""
+        would do far slower, waiting for the GIL between each.
+
+        ``idle``: this step computed nothing, so waiting here delays no other
+        request; wait (GIL released) until a load in flight finishes reading,
+        at most ``_IDLE_WAIT_S``."""
+        with self._lock:
+            waiting = idle and not self._ready and bool(self._started)
+            self._read_done.clear()
+        if waiting:
+            self._read_done.wait(_IDLE_WAIT_S)
         with self._lock:
             ready, self._ready = self._ready, {}
         if not ready:

@@ -1,0 +1,279 @@
+"""Figures, table, Markdown and plots of ``kvtier bench resume``.
+
+``summarise`` turns the runs (driver records and metrics of each
+configuration) into per-configuration figures and the ratios the acceptance
+bars are stated in; everything it reports is computed from those runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+# Acceptance bars of the benchmark issue, checked on every run that has the
+# configurations they compare.
+BARS = {
+    "speedup_shared_vs_recompute": 30.0,   # W1: at least
+    "shared_over_floor": 1.2,              # W1: at most
+    "load_vs_example": 0.5,                # W1: at most
+    "w3_throughput_gain": 0.30,            # W3: at least
+    "w0_overhead": 0.03,                   # W0: at most
+}
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    k = (len(xs) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def _tier_hits(metrics: dict) -> dict[str, float]:
+    out = {}
+    for k, v in metrics.items():
+        if k.startswith("kvtier_vllm_external_hit_tokens_total{tier="):
+            out[k.split("tier=")[1].rstrip("}")] = v
+    return out
+
+
+def _figures(runs: list[dict]) -> dict:
+    """Figures of one configuration on one case, over its rounds."""
+    recs = [rec for r in runs for rec in r["records"] if rec["phase"] in r["measured"]]
+    ttft = [rec["ttft_s"] for rec in recs]
+    thr, tok = [], []
+    for r in runs:
+        mine = [rec for rec in r["records"] if rec["phase"] in r["measured"]]
+        span = sum(r["span_s"].get(p, 0.0) for p in r["measured"])
+        if span > 0:
+            thr.append(len(mine) / span)
+            tok.append(sum(rec["prompt_tokens"] for rec in mine) / span)
+    m: dict = {}
+    for r in runs:
+        for k, v in r["kvtier_metrics"].items():
+            m[k] = m.get(k, 0) + v
+    vm: dict = {}
+    for r in runs:
+        for k, v in r["vllm_metrics"].items():
+            vm[k] = vm.get(k, 0) + v
+    loads = m.get("kvtier_vllm_load_seconds_count", 0)
+    prompt = sum(rec["prompt_tokens"] for rec in recs)
+    cached = sum(rec["cached_tokens"] for rec in recs)
+    return {
+        "requests": len(recs),
+        "ttft_p50_s": pct(ttft, 0.5), "ttft_p90_s": pct(ttft, 0.9), "ttft_p99_s": pct(ttft, 0.99),
+        "ttft_s": ttft,
+        "queue_p50_s": pct([rec["queue_s"] for rec in recs], 0.5),
+        "throughput_rps": statistics.median(thr) if thr else 0.0,
+        "throughput_rps_rounds": thr,
+        "prompt_tokens_per_s": statistics.median(tok) if tok else 0.0,
+        "cached_tokens_p50": statistics.median(rec["cached_tokens"] for rec in recs) if recs else 0,
+        "cached_fraction": cached / prompt if prompt else 0.0,
+        "hit_tokens": _tier_hits(m),
+        "vllm_external_prefix_cache_hits": vm.get("vllm:external_prefix_cache_hits", 0.0),
+        "kvtier_read_bytes": sum(v for k, v in m.items() if k.startswith("kvtier_read_bytes_total")),
+        "kvtier_written_bytes": sum(v for k, v in m.items() if k.startswith("kvtier_written_bytes_total")),
+        "kvtier_load_s_mean": m.get("kvtier_vllm_load_seconds_sum", 0.0) / loads if loads else None,
+    }
+
+
+def _ratios(workload: str, by: dict, fio: dict | None) -> dict:
+    """The ratios the bars are stated in, for one case."""
+    out: dict = {}
+    rec = by.get("recompute", {}).get("ttft_p50_s")
+    for v in by.values():
+        v["speedup_vs_recompute"] = rec / v["ttft_p50_s"] if rec and v["ttft_p50_s"] else None
+    mem = by.get("kvtier-memory", {}).get("ttft_p50_s")
+    if workload == "w1" and mem:
+        # Load time: what a configuration adds to the engine's own TTFT on a
+        # hit it does not have to read (a memory-tier hit).
+        for v in by.values():
+            v["load_s"] = v["ttft_p50_s"] - mem
+        ex = by.get("example", {}).get("load_s")
+        for name, v in by.items():
+            if name.startswith("kvtier") and ex and ex > 0:
+                v["load_vs_example"] = v["load_s"] / ex
+        sh = by.get("kvtier-shared")
+        if sh and sh["speedup_vs_recompute"]:
+            out["speedup_shared_vs_recompute"] = sh["speedup_vs_recompute"]
+        if sh and "load_vs_example" in sh:
+            out["load_vs_example"] = sh["load_vs_example"]
+        if sh and fio and fio.get("best_gbps"):
+            per_resume = sh["kvtier_read_bytes"] / max(1, sh["requests"])
+            floor = mem + per_resume / (fio["best_gbps"] * 1e9)
+            sh["floor_s"] = floor
+            out["floor_s"] = floor
+            out["shared_over_floor"] = sh["ttft_p50_s"] / floor
+        if "example" in by and sh:
+            out["lower_ttft_than_example"] = float(all(
+                v["ttft_p50_s"] < by["example"]["ttft_p50_s"] for n, v in by.items() if n.startswith("kvtier")))
+    if workload == "w3" and "kvtier-shared" in by and "kvtier-local-disk" in by:
+        loc = by["kvtier-local-disk"]["throughput_rps"]
+        if loc:
+            out["w3_throughput_gain"] = by["kvtier-shared"]["throughput_rps"] / loc - 1
+            out["w3_ttft_p50_reduction"] = 1 - by["kvtier-shared"]["ttft_p50_s"] / by["kvtier-local-disk"]["ttft_p50_s"]
+    if workload == "w0" and "prefix-cache" in by and "kvtier-shared" in by:
+        base = by["prefix-cache"]["throughput_rps"]
+        if base:
+            out["w0_overhead"] = 1 - by["kvtier-shared"]["throughput_rps"] / base
+    return out
+
+
+def _checks(ratios: dict) -> dict:
+    out = {}
+    for k, bar in BARS.items():
+        if k in ratios:
+            at_most = k in ("shared_over_floor", "load_vs_example", "w0_overhead")
+            v = ratios[k]
+            out[k] = {"value": v, "bar": bar, "kind": "at most" if at_most else "at least",
+                      "met": v <= bar if at_most else v >= bar}
+    if "lower_ttft_than_example" in ratios:
+        out["lower_ttft_than_example"] = {"value": ratios["lower_ttft_than_example"], "bar": 1.0,
+                                          "kind": "all kvtier TTFT p50 below example's",
+                                          "met": ratios["lower_ttft_than_example"] == 1.0}
+    return out
+
+
+def summarise(cfg, runs: list[dict], fio: dict, unavailable: dict) -> dict:
+    results: dict = {}
+    ratios: dict = {}
+    grouped: dict = {}
+    for r in runs:
+        grouped.setdefault(r["case"], {}).setdefault(r["config"], []).append(r)
+    for case, by_config in grouped.items():
+        results[case] = {name: _figures(rs) for name, rs in by_config.items()}
+        ratios[case] = _ratios(cfg.workload, results[case], fio.get(case))
+    first = runs[0] if runs else {}
+    return {
+        "workload": cfg.workload.upper(),
+        "description": _describe(cfg),
+        "model": cfg.model,
+        "dummy_weights": cfg.dummy_weights,
+        "sessions": cfg.sessions,
+        "contexts": list(cfg.contexts),
+        "instances": first.get("instances", 1),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "unavailable_peers": unavailable,
+        "fio": fio,
+        "results": results,
+        "ratios": ratios,
+        "checks": {case: _checks(r) for case, r in ratios.items()},
+    }
+
+
+def _describe(cfg) -> str:
+    if cfg.workload == "w1":
+        return f"W1 long-context cold resume, {cfg.sessions} sessions per context"
+    if cfg.workload == "w3":
+        return f"W3 multi-instance cold resume, {cfg.instances} instances, {cfg.sessions} sessions per context, random routing"
+    if cfg.workload == "w0":
+        return f"W0 zero-hit overhead, {cfg.sessions} distinct prompts per context, {cfg.repeats} alternating rounds"
+    c = cfg.chat
+    return (f"W2 multi-turn chat, {c.sessions} sessions of {c.turns[0]}-{c.turns[1]} turns, {c.system_tokens}-token "
+            f"shared system prompt, Poisson arrivals {c.arrival_rate}/s, concurrency {c.concurrency}")
+
+
+def format_table(s: dict) -> str:
+    lines = [f"kvtier bench resume: {s['description']}, {s['model']}"
+             f"{' (dummy weights)' if s['dummy_weights'] else ''}", ""]
+    head = (f"{'case':>8}  {'configuration':<18}{'TTFT p50':>10}{'p90':>9}{'p99':>9}{'req/s':>8}"
+            f"{'cached':>8}{'speedup':>9}")
+    lines += [head, "-" * len(head)]
+    for case, by in s["results"].items():
+        for name, v in by.items():
+            sp = v.get("speedup_vs_recompute")
+            lines.append(f"{case:>8}  {name:<18}{v['ttft_p50_s']:>9.3f}s{v['ttft_p90_s']:>8.3f}s{v['ttft_p99_s']:>8.3f}s"
+                         f"{v['throughput_rps']:>8.2f}{v['cached_fraction']:>7.0%} {(f'{sp:.1f}x' if sp else '-'):>8}")
+    checks = [(case, k, c) for case, cs in s["checks"].items() for k, c in cs.items()]
+    if checks:
+        lines += ["", "acceptance bars:"]
+        for case, k, c in checks:
+            lines.append(f"  {case:>8} {k:<28} {c['value']:.3f}  ({c['kind']} {c['bar']})  "
+                         f"{'met' if c['met'] else 'MISSED'}")
+    for case, fio in s["fio"].items():
+        if fio.get("best_gbps"):
+            lines.append(f"  {case:>8} fio sequential read {fio['best_gbps']:.2f} GB/s; floor "
+                         f"{s['ratios'][case].get('floor_s', float('nan')):.3f}s")
+    lines += ["", "cached = prompt tokens served from a cache (vLLM's or a connector's)",
+              "not run on this host:"] + [f"  {k}: {why}" for k, why in s["unavailable_peers"].items()]
+    return "\n".join(lines)
+
+
+def write_report(s: dict, out_dir: Path) -> list[Path]:
+    """results.json, report.md and PNG plots in ``out_dir`` (requests.jsonl,
+    the per-request log, is written there by the run)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / "results.json", out_dir / "report.md"]
+    paths[0].write_text(json.dumps(s, indent=2) + "\n")
+    paths[1].write_text("# kvtier bench resume\n\n```\n" + format_table(s) + "\n```\n\n"
+                        "![TTFT CDF](ttft_cdf.png)\n\n![speedup](speedup.png)\n\n![hits per tier](hits.png)\n\n"
+                        "Per-request log: `requests.jsonl` (one JSON record per request).\n")
+    try:
+        paths += _plots(s, out_dir)
+    except ImportError:
+        print("plots skipped: matplotlib is not installed (pip install 'kvtier[bench]')", file=sys.stderr)
+    return paths
+
+
+def _plots(s: dict, out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = []
+    cases = list(s["results"])
+    fig, axes = plt.subplots(1, len(cases), figsize=(5 * len(cases), 4), squeeze=False)
+    for ax, case in zip(axes[0], cases):
+        for name, v in s["results"][case].items():
+            xs = sorted(v["ttft_s"])
+            ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=name)
+        ax.set_xscale("log")
+        ax.set_xlabel("TTFT (s, log)")
+        ax.set_ylabel("fraction of requests")
+        ax.set_title(f"{s['workload']} {case}" + (" tokens" if case.isdigit() else ""))
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    out.append(out_dir / "ttft_cdf.png")
+    fig.savefig(out[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    names = [n for n in s["results"][cases[0]] if n != "recompute"]
+    numeric = all(c.isdigit() for c in cases)
+    xs = [int(c) for c in cases] if numeric else list(range(len(cases)))
+    for name in names:
+        ys = [s["results"][c].get(name, {}).get("speedup_vs_recompute") or 0 for c in cases]
+        ax.plot(xs, ys, marker="o", label=name)
+    if not numeric:
+        ax.set_xticks(xs, cases)
+    ax.set_xlabel("context (tokens)" if numeric else "case")
+    ax.set_ylabel("TTFT speedup vs recompute (p50)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out.append(out_dir / "speedup.png")
+    fig.savefig(out[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    tiers = sorted({t for by in s["results"].values() for v in by.values() for t in v["hit_tokens"]})
+    bars = [(c, n) for c in cases for n in s["results"][c] if n.startswith("kvtier")]
+    bottoms = [0.0] * len(bars)
+    for t in tiers:
+        vals = [s["results"][c][n]["hit_tokens"].get(t, 0) for c, n in bars]
+        ax.bar(range(len(bars)), vals, bottom=bottoms, label=t)
+        bottoms = [b + v for b, v in zip(bottoms, vals)]
+    ax.set_xticks(range(len(bars)), [f"{n}\n{c}" for c, n in bars], fontsize=7)
+    ax.set_ylabel("tokens served by kvtier")
+    if tiers:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    out.append(out_dir / "hits.png")
+    fig.savefig(out[-1], dpi=110)
+    plt.close(fig)
+    return out
