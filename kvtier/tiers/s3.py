@@ -28,10 +28,10 @@ token, model or tenant text ever appears in a name. The body is the encoded
   ``access_index_entries`` keys). So that other instances see hits too, a hit
   on an object whose ``LastModified`` is older than ``touch_interval_s``
   refreshes it by a server-side self-copy (in the background, at most once per
-  interval per object). Any instance may collect; collectors do not lock each
-  other out (deleting a content-addressed object is always safe: a later
-  reader misses and recomputes), so run it from one or a few instances
-  (``gc_interval_s: 0`` elsewhere).
+  interval per object). Any instance may collect; a lease object
+  (``s3lease``: conditional PUTs) lets one pass run at a time per prefix, so
+  two collectors never both delete. Still, let one or a few instances collect
+  (``gc_interval_s: 0`` elsewhere): every pass lists the whole prefix.
 
 Threads: every backend call runs on this tier's ``PriorityExecutor`` (loads
 before deletes before stores before maintenance). The boto3 client is
@@ -57,6 +57,7 @@ from kvtier.engine.executor import DELETE, MAINTENANCE, STORE, PriorityExecutor
 from kvtier.errors import CorruptObject
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import Tier, TierStats
+from kvtier.tiers import s3lease
 from kvtier.tiers.files import LAYOUT_DIR, PooledIO
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ log = logging.getLogger(__name__)
 _DEFAULT_BYTES_PER_TOKEN = 16 << 10
 _NAME = re.compile(r"^(?:.*/)?" + LAYOUT_DIR + r"/([0-9a-f]{16})/([0-9a-f]{64})$")
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
+_NO_LEASE = s3lease.Lease("", "", float("inf"))  # collect without exclusion (server without conditional requests)
 
 
 def _secret(doc: str) -> Any:
@@ -93,6 +95,7 @@ class S3Config:
     low_watermark: float = opt(0.85, "usage fraction collection brings usage down to")
     touch_interval_s: float = opt(600.0, "a hit refreshes an object's LastModified (self-copy) once it is older than this")
     gc_interval_s: float = opt(300.0, "seconds between automatic collection passes of this instance (0: never)")
+    gc_lease_s: float = opt(600.0, "a collection pass holds a lease this long: no other instance collects meanwhile")
     access_index_entries: int = opt(100_000, "keys whose last access this process remembers for eviction order")
     known_ttl_s: float = opt(30.0, "a store skips the existence check for objects this process wrote or read this recently")
 
@@ -128,6 +131,8 @@ class S3Config:
             raise ConfigError(
                 f"{prefix}secret_access_key", "set both access_key_id and secret_access_key, or neither", "or use boto3's credential chain"
             )
+        if self.gc_lease_s < 2:
+            raise ConfigError(f"{prefix}gc_lease_s", "must be at least 2 seconds", "use e.g. 600")
         if not 0 < self.low_watermark < self.high_watermark <= 1:
             raise ConfigError(
                 f"{prefix}low_watermark",
@@ -144,6 +149,7 @@ class GcResult:
     deleted: int
     bytes_after: int
     seconds: float
+    reason: str = ""  # why it did not run
 
 
 class S3Tier(PooledIO, Tier):
@@ -171,6 +177,7 @@ class S3Tier(PooledIO, Tier):
         self._objects_estimate = 0
         self._last_gc: float | None = None
         self._gc_pending = False
+        self._no_lease = False  # the server refused conditional requests
         if config.create_bucket:
             self._create_bucket()
 
@@ -528,14 +535,32 @@ class S3Tier(PooledIO, Tier):
     # ------------------------------------------------------------ gc
     def gc(self, dry_run: bool = False) -> GcResult:
         """One collection pass over the prefix (a worker or any caller thread).
-        Returns ``ran=False`` if the store could not be listed."""
+        Returns ``ran=False`` (with a reason) if the store could not be listed
+        or another collector holds the lease. A dry run takes no lease."""
         t0 = time.monotonic()
+        lease: s3lease.Lease | None = None
+        if not dry_run:
+            try:
+                lease = self._take_lease()
+            except (self._errors.BotoCoreError, self._errors.ClientError) as exc:
+                log.warning("tier %s: collection skipped, lease request failed: %s", self.name, _brief(exc))
+                self.metrics.error("gc")
+                return GcResult(False, 0, 0, 0, 0, time.monotonic() - t0, "lease request failed")
+            if lease is None:
+                return GcResult(False, 0, 0, 0, 0, time.monotonic() - t0, "another collector holds the lease")
         try:
-            entries = self._list()
-        except (self._errors.BotoCoreError, self._errors.ClientError) as exc:
-            log.warning("tier %s: collection could not list %s: %s", self.name, self.bucket, _brief(exc))
-            self.metrics.error("gc")
-            return GcResult(False, 0, 0, 0, 0, time.monotonic() - t0)
+            try:
+                entries = self._list()
+            except (self._errors.BotoCoreError, self._errors.ClientError) as exc:
+                log.warning("tier %s: collection could not list %s: %s", self.name, self.bucket, _brief(exc))
+                self.metrics.error("gc")
+                return GcResult(False, 0, 0, 0, 0, time.monotonic() - t0, "listing failed")
+            return self._collect(entries, dry_run, lease, t0)
+        finally:
+            if lease is not None and lease is not _NO_LEASE:
+                self._release_lease(lease)
+
+    def _collect(self, entries: list[tuple[str, int, float]], dry_run: bool, lease: s3lease.Lease | None, t0: float) -> GcResult:
         with self._lock:
             access = dict(self._access)
         total = sum(size for _, size, _ in entries)
@@ -547,6 +572,9 @@ class S3Tier(PooledIO, Tier):
             entries.sort(key=lambda e: max(e[2], access.get(e[0], 0.0)))
             for name, size, _ in entries:
                 if after <= target:
+                    break
+                if lease is not None and not lease.valid():
+                    log.warning("tier %s: collection stopped, its lease ran out (raise gc_lease_s)", self.name)
                     break
                 if not dry_run:
                     try:
@@ -567,6 +595,26 @@ class S3Tier(PooledIO, Tier):
                 self._objects_estimate = len(entries) - deleted
             self.metrics.used(after)
         return GcResult(True, len(entries), total, deleted, after, time.monotonic() - t0)
+
+    def _take_lease(self) -> s3lease.Lease | None:
+        """The collector lease, ``_NO_LEASE`` where the server cannot give one
+        (collect anyway, see s3lease), None while another collector holds it.
+        Raises botocore's errors for backend trouble."""
+        if self._no_lease:
+            return _NO_LEASE
+        try:
+            return s3lease.take(self._client(), self.bucket, f"{self.base}/{s3lease.LEASE_NAME}", self.config.gc_lease_s)
+        except s3lease.Unsupported as exc:
+            log.warning("tier %s: the server refuses conditional requests (%s): collecting without a lease", self.name, exc)
+            self._no_lease = True
+            return _NO_LEASE
+
+    def _release_lease(self, lease) -> None:
+        try:
+            s3lease.release(self._client(), self.bucket, lease)
+        except (self._errors.BotoCoreError, self._errors.ClientError) as exc:
+            # It expires by itself after gc_lease_s.
+            log.warning("tier %s: could not release the collector lease: %s", self.name, _brief(exc))
 
     def _list(self) -> list[tuple[str, int, float]]:
         """(name, size, LastModified) of every kvtier object under the prefix."""

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from kvtier.config import parse_tier
 from kvtier.engine.breaker import CircuitBreaker
 from kvtier.metrics import Metrics
+from kvtier.tiers import s3lease
 from kvtier.tiers.s3 import S3Config, S3Tier
 from tests.support import OBJ, make_chunks
 from tests.tiers.s3server import BUCKET, S3Server, s3_config, shared_server, weed_binary
@@ -219,3 +222,96 @@ def test_a_hit_refreshes_last_modified_for_other_instances():
         assert consume(tier, c.keys) == 1  # the copy is still a valid object
     finally:
         tier.close()
+
+
+# ---------------------------------------------------------------- collector lease
+
+
+def _over_capacity(srv, name: str, lease_s: float = 600.0):
+    """Two instances on one prefix holding 6 objects with room for 4 (a pass
+    collects down to the low watermark, 3.4 objects: it deletes 3)."""
+    prefix = f"lease/{name}-{os.getpid()}-{time.monotonic_ns()}"
+    a = S3Tier(s3_config(srv, prefix, 4 * OBJ, name=f"{name}-a", gc_lease_s=lease_s))
+    b = S3Tier(s3_config(srv, prefix, 4 * OBJ, name=f"{name}-b", gc_lease_s=lease_s))
+    c = make_chunks(6)
+    assert a.store(c.objs) == 6
+    return a, b, c
+
+
+def _lease_name(tier: S3Tier) -> str:
+    return f"{tier.base}/{s3lease.LEASE_NAME}"
+
+
+@needs_weed
+def test_a_live_lease_keeps_a_second_collector_from_deleting():
+    """While one collector holds the lease (taken as its pass would), a
+    second pass deletes nothing; once released, the next pass collects, and
+    its own lease is gone afterwards."""
+    srv = shared_server()
+    a, b, c = _over_capacity(srv, "live")
+    try:
+        held = s3lease.take(a._client(), BUCKET, _lease_name(a), 600)
+        assert held is not None and held.valid()
+        assert s3lease.take(b._client(), BUCKET, _lease_name(b), 600) is None  # one holder at a time
+        r = b.gc()
+        assert (r.ran, r.deleted) == (False, 0) and "lease" in r.reason
+        assert a.lookup(c.keys) == 6  # nothing deleted
+        assert s3lease.release(a._client(), BUCKET, held)
+        r = b.gc()
+        assert r.ran and r.deleted == 3 and r.bytes_after == 3 * OBJ  # down to the low watermark (3.4 objects)
+        with pytest.raises(srv.client().exceptions.ClientError):
+            srv.client().head_object(Bucket=BUCKET, Key=_lease_name(b))  # released
+    finally:
+        a.close()
+        b.close()
+
+
+@needs_weed
+def test_collectors_started_together_delete_once():
+    """Two passes at the same instant over a prefix 3 objects over its low
+    watermark: 3 objects are deleted in all, not 6 (the second pass finds the
+    lease held, or usage already low)."""
+    srv = shared_server()
+    a, b, c = _over_capacity(srv, "together")
+    try:
+        start = threading.Barrier(2)
+
+        def run(tier):
+            start.wait()
+            return tier.gc()
+
+        with ThreadPoolExecutor(2) as pool:
+            ra, rb = pool.map(run, (a, b))
+        assert ra.deleted + rb.deleted == 3, (ra, rb)
+        assert sum(a.lookup([k]) for k in c.keys) == 3
+    finally:
+        a.close()
+        b.close()
+
+
+@needs_weed
+def test_a_dead_collectors_lease_is_taken_over_once_and_never_released_by_it():
+    """A holder that died leaves its lease: after gc_lease_s another
+    collector takes it over (only one of two that try with the same view);
+    the dead holder's late release cannot remove the successor's lease."""
+    srv = shared_server()
+    lease_s = 2.0
+    a, b, c = _over_capacity(srv, "stale", lease_s=lease_s)
+    try:
+        dead = s3lease.take(a._client(), BUCKET, _lease_name(a), lease_s)
+        assert dead is not None
+        assert not b.gc().ran  # still live
+        time.sleep(lease_s + 1.5)  # past lease_s on the server's one-second clock
+        assert not dead.valid()  # the holder itself gave up before anyone could take over
+        head = srv.client().head_object(Bucket=BUCKET, Key=_lease_name(a))
+        assert s3lease._stale(head, lease_s)
+        first = s3lease.take(b._client(), BUCKET, _lease_name(b), lease_s)
+        second = s3lease.take(a._client(), BUCKET, _lease_name(a), lease_s)
+        assert first is not None and second is None
+        assert not s3lease.release(a._client(), BUCKET, dead)  # If-Match: not its lease any more
+        assert srv.client().head_object(Bucket=BUCKET, Key=_lease_name(a))["ETag"] == first.etag
+        assert s3lease.release(b._client(), BUCKET, first)
+        assert b.gc().deleted == 3
+    finally:
+        a.close()
+        b.close()
