@@ -381,6 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--dry-run", action="store_true", help="report what would be deleted")
     gc.set_defaults(func=cmd_store_gc)
     __import__("kvtier.serve", fromlist=["register"]).register(sub)
+    __import__("kvtier.plan.cli", fromlist=["register"]).register(sub)
     return p
 
 
