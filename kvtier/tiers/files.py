@@ -124,7 +124,9 @@ class ObjectDir:
         kvtier outside the store (O_NOFOLLOW on a whole path only guards its
         last component). Missing levels are created 0700 with ``create``,
         else FileNotFoundError; a symlink or a file where a folder belongs
-        raises OSError (ELOOP or ENOTDIR)."""
+        raises OSError (ELOOP or ENOTDIR). ``base`` itself is never created
+        here: if it vanished, so did the mount it lives on, and kvtier must
+        not fill the disk beneath a dead mount point."""
         fd = os.open(self.base, _DIR_FLAGS)
         try:
             for part in parts:
@@ -227,7 +229,7 @@ class ObjectDir:
         """Publish ``obj`` atomically under ``key``'s name."""
         parts, name = self._rel(key)
         tmp = f"{_HOST}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
-        tdir = self._open_dir(("tmp",))
+        tdir = self._open_dir(("tmp",), create=True)
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=tdir)
             try:

@@ -48,6 +48,21 @@ class SmallFs:
         self.mounted.append(path)
         return path
 
+    def bind(self, src: Path, name: str) -> Path:
+        """``src`` also visible at ``root/name`` (a bind mount): detaching it
+        later takes the data away from kvtier without destroying it."""
+        path = self.root / name
+        path.mkdir(parents=True, exist_ok=True)
+        proc = subprocess.run(["mount", "--bind", str(src), str(path)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot bind-mount here ({proc.stderr.strip() or proc.returncode}): needs root")
+        self.mounted.append(path)
+        return path
+
+    def detach(self, path: Path) -> None:
+        subprocess.run(["umount", "-l", str(path)], check=True, capture_output=True)
+        self.mounted.remove(path)
+
     def unmount_all(self) -> None:
         for path in reversed(self.mounted):
             subprocess.run(["umount", "-l", str(path)], capture_output=True)

@@ -1,0 +1,170 @@
+"""Case 12: the shared directory dies, comes back, or hangs.
+
+- Dies: the directory is a bind mount the test detaches (``umount -l``), so
+  kvtier suddenly sees an empty folder, then attaches it again (same data).
+  Every call returns promptly, requests recompute, saves are dropped and
+  counted, nothing is written beneath the dead mount point; when the data
+  returns, hits resume on their own.
+- Hangs: every file-system call of the tier blocks (a gate the test holds
+  shut: a real hanging mount needs FUSE or NFS, which this machine lacks).
+  Lookups and loads return within their deadlines, the breaker then skips
+  the tier without calling it, saves never block the caller, and everything
+  recovers once the calls return.
+
+The Redis and S3 tiers have the same cases against real servers (SIGSTOP,
+SIGKILL, restart): tests/tiers/test_redis.py and tests/tiers/test_s3.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from kvtier.config import StoreConfig, TierSpec
+from kvtier.engine.store import TieredStore
+from kvtier.metrics import Metrics
+from kvtier.tiers.files import ObjectDir
+from tests.support import DTYPE, OBJ, keys_for, memory_config, payload_for, shape_for, shared_config
+
+CHUNKS = 4
+
+
+def _store(path, metrics, **kw) -> TieredStore:
+    cfg = StoreConfig(
+        tiers=(TierSpec("memory", memory_config(64 * OBJ)), TierSpec("shared", shared_config(path, 64 * OBJ))),
+        breaker_threshold=2, breaker_cooldown_s=kw.pop("cooldown", 0.5),
+        lookup_timeout_s=kw.pop("lookup_timeout", 0.3), load_timeout_s=kw.pop("load_timeout", 0.5), **kw,
+    )
+    return TieredStore(cfg, metrics)
+
+
+def _save(store, keys) -> None:
+    store.save(keys, [payload_for(k) for k in keys], DTYPE, [shape_for(k.num_tokens) for k in keys])
+
+
+def _request(store, keys) -> tuple[int, float]:
+    """Admission as the connector does it: look up, load what hits; the rest
+    is recomputed. Returns (chunks served, seconds)."""
+    t0 = time.monotonic()
+    plan = store.lookup(keys)
+    bufs = [bytearray(len(payload_for(k))) for k in keys]
+    n = store.load(keys, bufs, plan) if plan.chunks else 0
+    assert [bytes(b) for b in bufs[:n]] == [payload_for(k) for k in keys[:n]]
+    return n, time.monotonic() - t0
+
+
+def test_a_shared_directory_that_vanishes_and_returns(small_fs, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    mount = small_fs.bind(data, "shared")
+    metrics = Metrics()
+    old, new = keys_for(600, CHUNKS), keys_for(601, CHUNKS)
+    with _store(mount, metrics) as store:
+        shared = store.tier("shared")
+        _save(store, old)
+        assert store.flush(10)
+        store.tier("memory").clear()
+        assert _request(store, old)[0] == CHUNKS
+
+        small_fs.detach(mount)  # the backend is gone: an empty folder
+        for _ in range(4):
+            store.tier("memory").clear()
+            n, took = _request(store, old)
+            assert n == 0 and took < 1.0
+            _save(store, new)
+            assert store.flush(10)
+        # Every save failed and was counted. (The breaker may stay closed:
+        # to a lookup an empty folder is a clean, fast miss.)
+        assert metrics.value("kvtier_dropped_saves_total", tier="shared", reason="error") >= 4
+        assert metrics.value("kvtier_errors_total", tier="shared", op="store") >= 2
+
+        assert list(mount.iterdir()) == [], "kvtier wrote beneath the dead mount point"
+
+        small_fs.bind(data, "shared")  # back, with its data
+        time.sleep(0.6)  # the cooldown: the next call probes
+        store.tier("memory").clear()
+        deadline = time.monotonic() + 5
+        while _request(store, old)[0] != CHUNKS:
+            assert time.monotonic() < deadline, "hits never resumed after the directory came back"
+            store.tier("memory").clear()
+            time.sleep(0.1)
+        assert shared.breaker.state == "closed"
+        _save(store, new)
+        assert store.flush(10)
+        store.tier("memory").clear()
+        assert _request(store, new)[0] == CHUNKS
+
+
+class Hang:
+    """Every file-system call of the directory tiers blocks until ``release``."""
+
+    def __init__(self, monkeypatch):
+        self.open = threading.Event()
+        self.open.set()
+        self.blocked = 0
+        for name in ("read", "write", "exists", "unlink", "touch"):
+            real = getattr(ObjectDir, name)
+
+            def gated(*a, _real=real, **kw):
+                if not self.open.is_set():
+                    self.blocked += 1
+                    self.open.wait(60)
+                return _real(*a, **kw)
+
+            monkeypatch.setattr(ObjectDir, name, gated)
+
+    def start(self) -> None:
+        self.open.clear()
+
+    def release(self) -> None:
+        self.open.set()
+
+
+@pytest.fixture
+def hang(monkeypatch):
+    h = Hang(monkeypatch)
+    yield h
+    h.release()
+
+
+def test_a_hanging_shared_directory_costs_bounded_time_then_is_skipped(tmp_path, hang):
+    metrics = Metrics()
+    keys, other = keys_for(800, CHUNKS), keys_for(801, CHUNKS)
+    with _store(tmp_path / "shared", metrics, cooldown=1.0, save_queue_bytes=8 * OBJ) as store:
+        shared = store.tier("shared")
+        _save(store, keys)
+        assert store.flush(10)
+        store.tier("memory").clear()
+        plan = store.lookup(keys)  # looked up before the hang, loaded during it
+        assert plan.chunks == CHUNKS
+
+        hang.start()
+        t0 = time.monotonic()
+        assert store.load(keys, [bytearray(len(payload_for(k))) for k in keys], plan) == 0
+        assert time.monotonic() - t0 < 0.5 + 0.5  # load_timeout_s + slack
+        n, took = _request(store, keys)
+        assert n == 0 and took < 0.3 + 0.5  # lookup_timeout_s + slack
+        assert shared.breaker.state == "open"
+        calls = hang.blocked
+        for _ in range(5):  # skipped: no call reaches the hanging backend
+            n, took = _request(store, keys)
+            assert n == 0 and took < 0.05
+            t0 = time.monotonic()
+            _save(store, other)  # never blocks the caller
+            assert time.monotonic() - t0 < 0.05
+        assert hang.blocked == calls
+        dropped = sum(metrics.value("kvtier_dropped_saves_total", tier="shared", reason=r)
+                      for r in ("breaker_open", "queue_full"))
+        assert dropped >= CHUNKS
+
+        hang.release()
+        time.sleep(1.1)  # the cooldown
+        store.tier("memory").clear()
+        deadline = time.monotonic() + 5
+        while _request(store, keys)[0] != CHUNKS:
+            assert time.monotonic() < deadline, "hits never resumed after the hang ended"
+            store.tier("memory").clear()
+            time.sleep(0.1)
+        assert shared.breaker.state == "closed"
