@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from array import array
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -96,7 +97,7 @@ class Outcome:
     load_s: float
     ttft_s: float
     baseline_ttft_s: float
-    recompute_s: float
+    recompute_s: float        # TTFT if every prompt were computed in full
     measured_ttft_s: float | None = None
     measured_cached: int | None = None
     phase: str = ""
@@ -122,12 +123,13 @@ class _Instance:
         self.idx = idx
         self.engine = engine
         self.store = store
-        self.busy = 0.0
-        self.busy_base = 0.0
+        self.busy = 0.0       # with kvtier
+        self.busy_base = 0.0  # the engine's prefix cache only
+        self.busy_rc = 0.0    # every prompt computed in full
 
 
 class Simulator:
-    def __init__(self, cfg: PlanConfig, keep_outcomes: bool = True):
+    def __init__(self, cfg: PlanConfig, keep_outcomes: bool = False):
         self.cfg = cfg
         self.bpt = cfg.model.bytes_per_token
         self.k = cfg.chunk_tokens // cfg.block_tokens
@@ -153,6 +155,8 @@ class Simulator:
                              read_by_second={t.kind: {} for t in cfg.tiers})
         self.outcomes: list[Outcome] = []
         self.keep_outcomes = keep_outcomes
+        # Per request, compact: TTFT with kvtier, without it, full recompute.
+        self.ttft, self.ttft_baseline, self.ttft_recompute = array("d"), array("d"), array("d")
         self._fresh = itertools.count(1)
         self._sticky: dict[object, int] = {}
         self.now = 0.0
@@ -241,7 +245,8 @@ class Simulator:
                 keys.append((hash((units[end - 1], end - start)), (end - start) * bs))
             if self.recorder is not None:
                 for kind, _ in tiers:
-                    self.recorder.query_keys(kind, inst.idx if kind != "shared" else 0, keys, usable, self.now)
+                    self.recorder.query_keys(kind, inst.idx if kind != "shared" else 0, keys, computed, usable,
+                                             self.now)
             hit_tiers = store.lookup(keys)
             hit_keys = keys[: len(hit_tiers)]
             if len(hit_keys) < len(keys):
@@ -329,12 +334,17 @@ class Simulator:
         tot.busy_s += service
         tot.baseline_busy_s += base_service
         recompute = pf.seconds(P, 0)
+        rstart = max(r.t, inst.busy_rc)
+        inst.busy_rc = rstart + recompute
         tot.recompute_busy_s += recompute
         if tot.t_first is None:
             tot.t_first = r.t
         tot.t_last = max(tot.t_last, r.t)
         out = Outcome(r.t, inst.idx, P, local_blocks * bs, tier_tokens, load_s, start - r.t + service,
-                      bstart - r.t + base_service, recompute, r.ttft_s, r.cached_tokens, r.phase)
+                      bstart - r.t + base_service, rstart - r.t + recompute, r.ttft_s, r.cached_tokens, r.phase)
+        self.ttft.append(out.ttft_s)
+        self.ttft_baseline.append(out.baseline_ttft_s)
+        self.ttft_recompute.append(out.recompute_s)
         if self.keep_outcomes:
             self.outcomes.append(out)
         return out

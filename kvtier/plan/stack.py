@@ -67,15 +67,17 @@ class StreamRecorder:
             s.vals.append(size)
             s.times.append(now)
 
-    def query_keys(self, kind: str, inst: int, keys, usable: int, now: float) -> None:
+    def query_keys(self, kind: str, inst: int, keys, lo: int, hi: int, now: float) -> None:
+        """A kvtier lookup: the tokens of each chunk within [lo, hi) (what the
+        engine's own cache missed, up to the last block it must compute)."""
         s = self._stream(kind, inst)
         pos = 0
         for key, ntok in keys:
-            if pos >= usable:
+            if pos >= hi:
                 break
-            tokens = min(ntok, usable - pos)
+            tokens = min(pos + ntok, hi) - max(pos, lo)
             pos += ntok
-            if self.sampled(key):
+            if tokens > 0 and self.sampled(key):
                 s.keys.append(key)
                 s.vals.append(-tokens - 1)
                 s.times.append(now)

@@ -1,0 +1,250 @@
+"""``kvtier plan``: the parser (``register``) and its handler."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from kvtier.config import parse_size
+from kvtier.errors import ConfigError
+
+DESCRIPTION = """\
+Capacity planning from request traces: replays a trace through a model of the
+engine's prefix cache and of kvtier's tiers (kvtier's own eviction policies:
+memory and disk LRU, promotion into memory on a lower-tier hit, write-through
+of new chunks to every tier, the shared tier's watermark collector) and
+predicts, per tier, the hit ratio, the read and write bandwidth, time to
+first token (p50/p90/p99) and prefill throughput against recompute, hit ratio
+against capacity curves with their knee, and recommended capacities.
+
+inputs:
+  TRACE            JSON Lines, one request per line, format detected:
+                   - Mooncake FAST'25: timestamp (ms), input_length, output_length,
+                     hash_ids (512-token blocks)
+                   - Alibaba Bailian: chat_id, parent_chat_id, timestamp (s), input_length,
+                     output_length, turn, hash_ids (16-token blocks)
+                   - kvtier: requests.jsonl of `kvtier bench resume` (driver records)
+  --synth          a synthetic multi-turn trace instead (--sessions, --turns, ...)
+  capacities       --engine-kv or --engine-tokens, --memory, --disk, --shared
+                   (a tier left out is not simulated); sizes like 64GiB, 2TB
+  bandwidths       --storage-json (from `kvtier bench storage --json`) or --*-gbps
+  prefill model    --calibrate (a `kvtier bench resume` results dir/file), or --prefill a,b,c
+
+outputs (--out DIR): report.md (for purchasing), summary.json, plan-hit_ratio.png
+  and plan-ttft_cdf.png (when matplotlib is installed); the table is printed.
+
+--validate RESULTS_DIR replays the request log of a `kvtier bench resume` run
+(RESULTS_DIR/requests.jsonl) with the configuration it ran and compares
+per-tier hit ratios (must be equal) and TTFT p50 (within 15%) with what it
+measured; exit status 1 when a bound is missed.
+"""
+
+EXAMPLE = """\
+examples:
+  kvtier plan tests/plan/data/bailian_sample.jsonl --model llama-3.1-8b \\
+      --engine-kv 16GiB --memory 64GiB --disk 1TiB --shared 8TiB --instances 4 --out plan/
+  kvtier plan --synth --sessions 5000 --write-trace chat.jsonl --memory 32GiB --disk 512GiB
+  kvtier plan --validate results/resume-w2
+"""
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text, "size")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _pair(text: str) -> tuple[int, int]:
+    try:
+        a, b = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO,HI, got {text!r}") from None
+    return a, b
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "plan", help="capacity planning: replay a trace through kvtier's tiers, predict hit ratios, TTFT, what to buy",
+        description=DESCRIPTION, epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("trace", nargs="?", help="trace file (JSON Lines: Mooncake, Bailian or kvtier format)")
+    g = p.add_argument_group("trace")
+    g.add_argument("--format", default="auto", help="auto (default), mooncake, bailian, kvtier")
+    g.add_argument("--trace-block-tokens", type=int, help="tokens per hash id (default: 512 Mooncake, 16 Bailian)")
+    g.add_argument("--limit", type=int, help="replay only the first N requests")
+    g.add_argument("--config", help="configuration of a kvtier log to replay (default: the first)")
+    g.add_argument("--synth", action="store_true", help="a synthetic multi-turn trace instead of TRACE")
+    g.add_argument("--sessions", type=int, default=200, help="synthetic: sessions (default 200)")
+    g.add_argument("--turns", type=_pair, default=(1, 8), help="synthetic: turns per session LO,HI (default 1,8)")
+    g.add_argument("--system-prompts", type=int, default=4, help="synthetic: distinct shared system prompts (default 4)")
+    g.add_argument("--system-tokens", type=int, default=2048, help="synthetic: system prompt tokens (default 2048)")
+    g.add_argument("--user-tokens", type=_pair, default=(64, 1024), help="synthetic: user turn tokens LO,HI (default 64,1024)")
+    g.add_argument("--answer-tokens", type=_pair, default=(32, 512), help="synthetic: answer tokens LO,HI (default 32,512)")
+    g.add_argument("--think-s", type=float, default=30.0, help="synthetic: mean pause between turns (default 30 s)")
+    g.add_argument("--arrival-rate", type=float, default=1.0, help="synthetic: new sessions per second (default 1)")
+    g.add_argument("--write-trace", help="synthetic: also write the trace here (Bailian format)")
+
+    g = p.add_argument_group("engine and tiers")
+    g.add_argument("--model", default="llama-3.1-8b", help="KV shape preset (default llama-3.1-8b): qwen2.5-0.5b, "
+                   "qwen2.5-7b, llama-3.1-8b, llama-3.1-70b, qwen3-coder-480b")
+    g.add_argument("--chunk-tokens", type=int, default=256, help="kvtier chunk size (default 256)")
+    g.add_argument("--block-tokens", type=int, default=128, help="engine KV block size (default 128: vLLM on CPU; 16 on most GPUs)")
+    g.add_argument("--engine-kv", type=_size, help="engine KV cache per instance in bytes (sets its prefix cache size)")
+    g.add_argument("--engine-tokens", type=int, help="engine KV cache per instance in tokens (instead of --engine-kv)")
+    g.add_argument("--memory", type=_size, help="memory tier per instance, e.g. 64GiB")
+    g.add_argument("--disk", type=_size, help="local disk tier per instance, e.g. 2TiB")
+    g.add_argument("--shared", type=_size, help="shared tier (one for all instances), e.g. 20TiB")
+    g.add_argument("--storage-json", help="bandwidths from `kvtier bench storage --json`")
+    for t, bw, lat in (("memory", 10.7, 0.2), ("disk", 1.6, 1.0), ("shared", 1.6, 2.0)):
+        g.add_argument(f"--{t}-gbps", type=float, help=f"{t} tier read bandwidth per instance, GB/s (default {bw})")
+        g.add_argument(f"--{t}-latency-ms", type=float, help=f"{t} tier latency per load, ms (default {lat})")
+    g.add_argument("--high-watermark", type=float, default=0.95, help="shared tier collector start (default 0.95)")
+    g.add_argument("--low-watermark", type=float, default=0.85, help="shared tier collector target (default 0.85)")
+    g.add_argument("--touch-interval-s", type=float, default=60.0, help="shared tier access stamp interval (default 60)")
+    g.add_argument("--gc-interval-s", type=float, default=60.0, help="shared tier collection interval (default 60)")
+    g.add_argument("--no-promote", action="store_true", help="do not keep lower-tier hits in memory")
+    g.add_argument("--instances", type=int, default=1, help="engine instances (default 1)")
+    g.add_argument("--routing", default="sticky", help="sticky (by session, default), random, trace (the log's instance)")
+    g.add_argument("--seed", type=int, default=0, help="routing and synthetic trace seed")
+
+    g = p.add_argument_group("time model")
+    g.add_argument("--calibrate", help="fit the prefill model to recompute TTFTs of a kvtier bench resume run "
+                   "(results dir, results.json or requests.jsonl)")
+    g.add_argument("--prefill", help="prefill model a,b,c: seconds = a*n + b*n^2 + c")
+    g.add_argument("--copy-gbps", type=float, help="copy of loaded chunks into engine blocks, GB/s (default 8)")
+
+    g = p.add_argument_group("output")
+    g.add_argument("--out", help="write report.md, summary.json and plots here")
+    g.add_argument("--json", action="store_true", help="print the summary as JSON")
+    g.add_argument("--curve-sample", default="auto", help="fraction of keys the capacity curves follow "
+                   "(auto: all up to 50k requests, then fewer; 0: no curves)")
+    g.add_argument("--validate", metavar="RESULTS_DIR", help="replay a kvtier bench resume run and compare")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=handle)
+    return p
+
+
+def _progress(enabled: bool):
+    if not enabled:
+        return lambda desc, total: (lambda n: None)
+    from kvtier.cli import _progress_factory
+
+    try:
+        return _progress_factory(True)
+    except ImportError:  # tqdm missing: a line per 10%
+        def make(desc: str, total):
+            state = {"n": 0, "shown": -1}
+
+            def tick(n: int) -> None:
+                state["n"] += n
+                if total:
+                    pct = 100 * state["n"] // total
+                    if pct // 10 > state["shown"]:
+                        state["shown"] = pct // 10
+                        print(f"{desc}: {pct}%", file=sys.stderr)
+
+            return tick
+
+        return make
+
+
+def build_config(args, trace_units: int):
+    from kvtier.bench.models import PRESETS
+    from kvtier.plan import cost
+    from kvtier.plan.sim import PlanConfig, TierPlan
+
+    if args.model not in PRESETS:
+        raise ConfigError("--model", f"unknown model preset {args.model!r}", f"use one of: {', '.join(PRESETS)}")
+    model = PRESETS[args.model]
+    io = dict(cost.DEFAULT_IO)
+    if args.storage_json:
+        io = cost.io_from_storage_json(args.storage_json, io)
+    for t in ("memory", "disk", "shared"):
+        gbps, lat = getattr(args, f"{t}_gbps"), getattr(args, f"{t}_latency_ms")
+        io[t] = cost.TierIO(gbps if gbps else io[t].gbps, lat / 1000 if lat is not None else io[t].latency_s)
+    tiers = []
+    for t in ("memory", "disk", "shared"):
+        cap = getattr(args, t)
+        if cap:
+            tiers.append(TierPlan(t, cap, io[t], args.high_watermark, args.low_watermark, args.touch_interval_s,
+                                  args.gc_interval_s))
+    bpt = model.bytes_per_token
+    engine_blocks = None
+    if args.engine_tokens:
+        engine_blocks = args.engine_tokens // args.block_tokens
+    elif args.engine_kv:
+        engine_blocks = args.engine_kv // (bpt * args.block_tokens)
+    prefill = cost.PrefillModel()
+    if args.calibrate:
+        prefill = cost.fit_prefill(cost.calibration_samples(args.calibrate), source=f"fitted to {args.calibrate}")
+    if args.prefill:
+        try:
+            a, b, c = (float(x) for x in args.prefill.split(","))
+        except ValueError:
+            raise ConfigError("--prefill", f"expected a,b,c, got {args.prefill!r}", "write e.g. --prefill 2e-3,2.5e-7,0.02") from None
+        prefill = cost.PrefillModel(a, b, c, "--prefill")
+    if args.routing not in ("sticky", "random", "trace"):
+        raise ConfigError("--routing", f"unknown routing {args.routing!r}", "use sticky, random or trace")
+    if args.chunk_tokens % args.block_tokens:
+        raise ConfigError("--chunk-tokens", f"{args.chunk_tokens} is not a multiple of --block-tokens {args.block_tokens}",
+                          "use a multiple of the engine's block size, e.g. 256 with blocks of 128")
+    return PlanConfig(model=model, tiers=tuple(tiers), chunk_tokens=args.chunk_tokens, block_tokens=args.block_tokens,
+                      engine_blocks=engine_blocks, instances=args.instances, routing=args.routing, seed=args.seed,
+                      prefill=prefill, copy_gbps=args.copy_gbps or cost.DEFAULT_COPY_GBPS,
+                      promote=not args.no_promote)
+
+
+def _trace(args):
+    from kvtier.plan import loaders, synth
+    from kvtier.plan.traces import Trace
+
+    if args.synth:
+        shape = synth.SynthShape(args.sessions, args.turns, args.system_prompts, args.system_tokens, args.user_tokens,
+                                 args.answer_tokens, args.think_s, args.arrival_rate, args.seed)
+        records = synth.synth(shape)
+        if args.write_trace:
+            synth.write_jsonl(records, args.write_trace)
+            print(f"wrote {args.write_trace} ({len(records)} requests)", file=sys.stderr)
+        reqs = list(loaders._bailian(iter(records), 16, args.block_tokens))
+        return Trace.of(f"synthetic ({args.sessions} sessions)", args.block_tokens, reqs, format="synthetic",
+                        shape=synth.shape_json(shape))
+    if not args.trace:
+        raise ConfigError("trace", "no trace given", "pass a trace file, --synth, or --validate RESULTS_DIR")
+    return loaders.load(args.trace, args.format, args.block_tokens, args.trace_block_tokens, args.limit, args.config)
+
+
+def handle(args: argparse.Namespace) -> int:
+    if args.validate:
+        from kvtier.plan import validate
+
+        return validate.main(args)
+    from dataclasses import replace
+
+    from kvtier.plan import report
+    from kvtier.plan.sim import Simulator
+
+    trace = _trace(args)
+    cfg = build_config(args, trace.unit_tokens)
+    if not cfg.tiers and not cfg.engine_blocks:
+        raise ConfigError("--memory", "nothing to simulate", "give at least one of --engine-kv, --memory, --disk, --shared")
+    if args.curve_sample == "auto":
+        n = trace.count or 0
+        rate = 1.0 if n <= 50_000 else max(0.001, 50_000 / n)
+    else:
+        rate = float(args.curve_sample)
+    cfg = replace(cfg, curve_sample=rate)
+    progress = _progress(not args.no_progress)
+    sim = Simulator(cfg).run(trace, progress("replay", trace.count or 0))
+    meta = {"name": trace.name, **{k: v for k, v in trace.meta.items() if k in ("format", "block_tokens", "config", "workload", "path")}}
+    summary = report.summarise(sim, meta)
+    print(json.dumps(summary, indent=2) if args.json else report.format_table(summary))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        pngs = report.plots(summary, sim, out, prefix="plan-")
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        (out / "report.md").write_text(report.markdown(summary, [str(p) for p in pngs]))
+        print(f"\nwrote {out / 'report.md'}, {out / 'summary.json'}" + "".join(f", {p}" for p in pngs), file=sys.stderr)
+    return 0
