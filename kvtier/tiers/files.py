@@ -364,21 +364,25 @@ class ObjectDir:
         return removed
 
     def scan(self) -> Iterator[ObjectEntry]:
-        """Every published object (files only; anything else is ignored)."""
+        """Every published object: regular files under names kvtier writes.
+        Anything else (links, junk, another program's files) is not ours:
+        never counted, evicted or collected."""
         for ns_dir in _scandir(self.objects):
-            if not ns_dir.is_dir(follow_symlinks=False):
+            if not _is_hex(ns_dir.name, 16) or not ns_dir.is_dir(follow_symlinks=False):
                 continue
             for fan in _scandir(Path(ns_dir.path)):
-                if not fan.is_dir(follow_symlinks=False):
+                if not _is_hex(fan.name, 2) or not fan.is_dir(follow_symlinks=False):
                     continue
                 for e in _scandir(Path(fan.path)):
-                    if not e.name.endswith(SUFFIX) or not e.is_file(follow_symlinks=False):
+                    name = e.name[: -len(SUFFIX)]
+                    if (not e.name.endswith(SUFFIX) or not _is_hex(name, 64) or not name.startswith(fan.name)
+                            or not e.is_file(follow_symlinks=False)):
                         continue
                     try:
                         st = e.stat(follow_symlinks=False)
                     except FileNotFoundError:
                         continue
-                    yield ObjectEntry(Path(e.path), e.name[: -len(SUFFIX)], ns_dir.name, st.st_size, st.st_mtime)
+                    yield ObjectEntry(Path(e.path), name, ns_dir.name, st.st_size, st.st_mtime)
 
     def drop_cache(self) -> int:
         """Write back and drop every object from the page cache (cold reads)."""
@@ -395,6 +399,10 @@ class ObjectDir:
             finally:
                 os.close(fd)
         return n
+
+
+def _is_hex(name: str, length: int) -> bool:
+    return len(name) == length and all(c in "0123456789abcdef" for c in name)
 
 
 def _scandir(path: Path):
