@@ -1,6 +1,6 @@
 """The ``kvtier`` command.
 
-    kvtier bench storage --dir DIR [--size 2GiB] [--json PATH]
+    kvtier bench storage --dir DIR | --tier URL [--size 2GiB] [--json PATH]
     kvtier store ls|stat|verify|gc --dir DIR
 
 Exit codes: 0 ok, 1 a check failed (verify found bad objects), 2 bad usage or
@@ -70,7 +70,8 @@ def cmd_bench_storage(args: argparse.Namespace) -> int:
     if args.model not in PRESETS:
         raise ConfigError("--model", f"unknown model preset {args.model!r}", f"use one of: {', '.join(PRESETS)}")
     cfg = storage.StorageBenchConfig(
-        directory=Path(args.dir),
+        directory=Path(args.dir) if args.dir else None,
+        tier=args.tier,
         size_bytes=args.size,
         model=PRESETS[args.model],
         chunk_tokens=args.chunk_tokens,
@@ -271,10 +272,18 @@ def build_parser() -> argparse.ArgumentParser:
             "Write SIZE bytes of chunk objects shaped like a model's KV into DIR, then measure in one run: "
             "fio sequential O_DIRECT reads (queue depths --fio-depths), kvtier cold loads with the page cache "
             "dropped at several read windows, and kvtier memory-tier loads against memcpy. Figures are medians "
-            "of --repeats runs. Needs Debian's fio."
+            "of --repeats runs. Needs Debian's fio. With --tier (Redis, S3) instead of --dir: writes, "
+            "single-chunk latency and loads at each window, with per-chunk read latency p50/p99; no fio."
         ),
     )
-    bs.add_argument("--dir", required=True, help="directory on the storage to measure (created; objects are kept for reruns)")
+    where = bs.add_mutually_exclusive_group(required=True)
+    where.add_argument("--dir", help="directory on the storage to measure (created; objects are kept for reruns)")
+    where.add_argument(
+        "--tier",
+        help="a network tier to measure instead, as a tier URL: redis://HOST:PORT or "
+        "s3://BUCKET/PREFIX?endpoint=URL (fio is skipped; objects are kept for reruns; "
+        "credentials: prefer the environment, see docs/deploy.md)",
+    )
     bs.add_argument("--size", type=_size, default=2 << 30, help="data volume, e.g. 2GiB (default)")
     bs.add_argument("--model", default="qwen2.5-0.5b", help="KV shape preset (default qwen2.5-0.5b: 24 layers, 2 KV heads, head dim 64, bf16)")
     bs.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk (default 256)")

@@ -1,5 +1,6 @@
 """``kvtier bench storage``: how close kvtier's reads get to the storage limit.
 
+On a network tier (``--tier redis://...``, ``s3://...``) see ``storage_remote``.
 In one run, on one directory:
 1. write ``size`` bytes of chunk objects shaped like a real model's KV
    (sessions of ``session_chunks`` chunks, prefix-chained keys);
@@ -42,7 +43,8 @@ GiB = 1 << 30
 
 @dataclass(frozen=True)
 class StorageBenchConfig:
-    directory: Path
+    directory: Path | None = None  # a directory to measure (fio + the shared tier) ...
+    tier: str | None = None  # ... or a network tier URL (redis://, s3://): see storage_remote
     size_bytes: int = 2 * GiB
     model: ModelShape = field(default_factory=lambda: ModelShape("qwen2.5-0.5b", 24, 2, 64))
     chunk_tokens: int = 256
@@ -74,8 +76,9 @@ def _sessions(cfg: StorageBenchConfig, ns: Namespace) -> list[list[ChunkKey]]:
     return out
 
 
-def _populate(tier: SharedTier, sessions: list[list[ChunkKey]], cfg: StorageBenchConfig, progress: Progress) -> int:
-    """Write every chunk (skipping those already there). Returns object bytes."""
+def _populate(tier, sessions: list[list[ChunkKey]], cfg: StorageBenchConfig, progress: Progress, where: str) -> int:
+    """Write every chunk through ``tier.store_async`` (skipping those already
+    there). Returns object bytes. ``where`` names the storage in errors."""
     base = os.urandom(cfg.model.bytes_per_token * cfg.chunk_tokens)
     shape = cfg.model.chunk_shape(cfg.chunk_tokens)
     tick = progress("write chunks", sum(len(s) for s in sessions))
@@ -92,11 +95,11 @@ def _populate(tier: SharedTier, sessions: list[list[ChunkKey]], cfg: StorageBenc
         while len(pending) > 2:  # bound memory: at most a few sessions in flight
             f, n = pending.pop(0)
             if f.result() != n:
-                raise RuntimeError(f"could not write benchmark data to {tier.dir.root} (disk full?)")
+                raise RuntimeError(f"could not write benchmark data to {where} (full, or unreachable? see the log)")
             tick(n)
     for f, n in pending:
         if f.result() != n:
-            raise RuntimeError(f"could not write benchmark data to {tier.dir.root} (disk full?)")
+            raise RuntimeError(f"could not write benchmark data to {where} (full, or unreachable? see the log)")
         tick(n)
     return total
 
@@ -115,15 +118,22 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def run(cfg: StorageBenchConfig, progress: Progress = _no_progress, log: Callable[[str], None] = print) -> dict:
-    root = Path(cfg.directory)
-    store_dir, fio_dir = root / "store", root / "fio"
-    ns = Namespace(
+def _namespace(cfg: StorageBenchConfig) -> Namespace:
+    return Namespace(
         model=f"bench/{cfg.model.name}", model_fingerprint="storage-bench", kv_dtype=cfg.model.dtype,
         layout="kvtier:LKHTD", num_layers=cfg.model.num_layers, num_kv_heads=cfg.model.num_kv_heads,
         head_dim=cfg.model.head_dim, chunk_tokens=cfg.chunk_tokens,
     )
-    sessions = _sessions(cfg, ns)
+
+
+def run(cfg: StorageBenchConfig, progress: Progress = _no_progress, log: Callable[[str], None] = print) -> dict:
+    if cfg.tier is not None:
+        from kvtier.bench import storage_remote
+
+        return storage_remote.run(cfg, progress)
+    root = Path(cfg.directory)
+    store_dir, fio_dir = root / "store", root / "fio"
+    sessions = _sessions(cfg, _namespace(cfg))
     n_chunks = sum(len(s) for s in sessions)
     capacity = 4 * cfg.size_bytes + GiB
     result: dict = {
@@ -143,7 +153,7 @@ def run(cfg: StorageBenchConfig, progress: Progress = _no_progress, log: Callabl
     t_start = t0 = time.perf_counter()
     writer_cfg = _shared_spec(store_dir, capacity, 64 * MiB, cfg.io_threads).config
     with SharedTier(writer_cfg) as writer:
-        total_bytes = _populate(writer, sessions, cfg, progress)
+        total_bytes = _populate(writer, sessions, cfg, progress, str(writer.dir.root))
         writer.drop_cache()
     result["data_bytes"] = total_bytes
     result["filesystem"] = _fs_type(store_dir)
@@ -202,16 +212,19 @@ def run(cfg: StorageBenchConfig, progress: Progress = _no_progress, log: Callabl
     result["cold_vs_fio"] = result["cold_load_gbps"] / result["fio_best_gbps"]
 
     # 4. memory tier vs memcpy of the same bytes
-    result.update(_memory_bench(cfg, sessions, store_dir, capacity, bufs, progress))
+    lower = _shared_spec(store_dir, capacity, 64 * MiB, cfg.io_threads)
+    result.update(_memory_bench(cfg, sessions, lower, bufs, progress))
     result["memory_vs_memcpy"] = result["memory_load_gbps"] / result["memcpy_gbps"]
     result["seconds"] = time.perf_counter() - t_start
     return result
 
 
-def _memory_bench(cfg, sessions, store_dir, capacity, bufs, progress) -> dict:
+def _memory_bench(cfg, sessions, lower: TierSpec, bufs, progress) -> dict:
+    """Memory-tier loads (promoted from ``lower``, which holds the data)
+    against a plain memcpy of the same bytes."""
     budget = min(cfg.memory_bytes, cfg.size_bytes)
     mem_spec = TierSpec("memory", MemoryConfig(capacity=budget + 64 * MiB))
-    store = TieredStore(StoreConfig(tiers=(mem_spec, _shared_spec(store_dir, capacity, 64 * MiB, cfg.io_threads)), promote=True))
+    store = TieredStore(StoreConfig(tiers=(mem_spec, lower), promote=True))
     try:
         picked, used = [], 0
         for keys in sessions:
@@ -267,6 +280,10 @@ def _fs_type(path: Path) -> str:
 
 
 def format_table(r: dict) -> str:
+    if "tier" in r:
+        from kvtier.bench import storage_remote
+
+        return storage_remote.format_table(r)
     fio_best = r["fio_best_gbps"]
     lines = [
         f"kvtier bench storage  {r['directory']} ({r['filesystem']})",

