@@ -22,9 +22,14 @@ process is invisible to the others. vLLM's own answer for several processes
 is prometheus_client's multiprocess mode: when ``PROMETHEUS_MULTIPROC_DIR``
 is set, every process writes its samples to files there and the API server's
 ``/metrics`` merges them (``vllm.v1.metrics.prometheus.get_prometheus_registry``).
-kvtier serve sets it to a fresh temporary directory (removed at exit), so
-kvtier's metrics appear on the server's own ``/metrics`` beside vLLM's. A
-directory set by the caller is used as is (it must be empty at start).
+kvtier serve sets it to a directory of its own, so kvtier's metrics appear
+on the server's own ``/metrics`` beside vLLM's. A directory set by the caller
+is used as is (it must be empty at start).
+
+Temporary files. The server gets a private ``TMPDIR`` (a fresh directory in
+kvtier serve's own ``$TMPDIR``; the metrics directory is inside it), removed
+when the server has exited: vLLM leaves its ZMQ IPC sockets and torch's
+file-store rendezvous file in ``$TMPDIR`` otherwise.
 
 On vLLM's CPU build it also sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (unless
 the caller set it): vLLM then keeps its worker inside the engine-core process
@@ -162,10 +167,11 @@ def _is_cpu_build() -> bool:
 
 
 def build_command(model: str, vllm_args: list[str], *, config: str | None = None, inline: bool = False,
-                  launcher: str = "auto", metrics_dir: str | None = None,
+                  launcher: str = "auto", metrics_dir: str | None = None, tmp_dir: str | None = None,
                   environ: dict[str, str] | None = None) -> ServeCommand:
-    """The command ``kvtier serve`` runs (``metrics_dir``: the
-    ``PROMETHEUS_MULTIPROC_DIR`` to set; None leaves the variable alone)."""
+    """The command ``kvtier serve`` runs (``metrics_dir``, ``tmp_dir``: the
+    ``PROMETHEUS_MULTIPROC_DIR`` and ``TMPDIR`` to set; None leaves a
+    variable alone)."""
     environ = dict(os.environ if environ is None else environ)
     for a in vllm_args:
         if a == "--kv-transfer-config" or a.startswith("--kv-transfer-config="):
@@ -178,6 +184,8 @@ def build_command(model: str, vllm_args: list[str], *, config: str | None = None
     env: dict[str, str] = {}
     if metrics_dir is not None:
         env["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    if tmp_dir is not None:
+        env["TMPDIR"] = tmp_dir
     if _is_cpu_build() and "VLLM_ENABLE_V1_MULTIPROCESSING" not in environ:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     # kvtier settings taken from the environment travel with the printed line.
@@ -280,26 +288,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for k, v in vars(own).items():
         if v is not None:
             setattr(args, k, v)
-    user_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-    tmp_dir = None
-    if user_dir is None and not args.dry_run:
-        tmp_dir = tempfile.mkdtemp(prefix="kvtier-serve-metrics-")
+    user_metrics = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    # One private directory per run, in $TMPDIR, for what the server's
+    # processes leave on disk: vLLM's ZMQ IPC sockets and torch's file-store
+    # rendezvous (vLLM unlinks neither) go to the TMPDIR the server gets, the
+    # prometheus multiprocess files to a subdirectory. Short name: a socket
+    # path has at most 107 bytes.
+    private = None if args.dry_run else tempfile.mkdtemp(prefix="kvtier-serve-")
     try:
+        metrics = user_metrics
+        if private is not None and metrics is None:
+            metrics = os.path.join(private, "metrics")
+            os.mkdir(metrics)
         cmd = build_command(args.model, vllm_args, config=args.config, inline=args.inline,
-                            launcher=args.launcher, metrics_dir=tmp_dir or user_dir)
+                            launcher=args.launcher, metrics_dir=metrics, tmp_dir=private)
         print(cmd.shell(), flush=True)
         if args.dry_run:
-            if user_dir is None:
+            if user_metrics is None:
                 print("kvtier serve: set PROMETHEUS_MULTIPROC_DIR to an empty directory in front of this command, "
                       "or kvtier's metrics stay inside the engine process (not on /metrics)", file=sys.stderr)
             return 0
-        if user_dir is not None and any(Path(user_dir).glob("*.db")):
-            print(f"kvtier serve: PROMETHEUS_MULTIPROC_DIR={user_dir} holds files of an earlier run; "
+        if user_metrics is not None and any(Path(user_metrics).glob("*.db")):
+            print(f"kvtier serve: PROMETHEUS_MULTIPROC_DIR={user_metrics} holds files of an earlier run; "
                   "its counters will be added to this run's", file=sys.stderr)
         return supervise(cmd, stop_timeout_s=args.stop_timeout)
     finally:
-        if tmp_dir is not None:
-            shutil.rmtree(tmp_dir, ignore_errors=True)
+        if private is not None:
+            shutil.rmtree(private, ignore_errors=True)
 
 
 def _add_own_args(p: argparse.ArgumentParser, defaults: bool) -> None:
