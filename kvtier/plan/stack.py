@@ -42,7 +42,7 @@ class _Stream:
     keys: list = field(default_factory=list)
     vals: list = field(default_factory=list)
     times: list = field(default_factory=list)
-    lookups: list = field(default_factory=list)  # index in keys of each lookup event
+    looked_up: int = 0  # tokens of every lookup, sampled or not
 
 
 class StreamRecorder:
@@ -77,6 +77,8 @@ class StreamRecorder:
                 break
             tokens = min(pos + ntok, hi) - max(pos, lo)
             pos += ntok
+            if tokens > 0:
+                s.looked_up += tokens
             if tokens > 0 and self.sampled(key):
                 s.keys.append(key)
                 s.vals.append(-tokens - 1)
@@ -84,6 +86,7 @@ class StreamRecorder:
 
     def query(self, kind: str, inst: int, units, unit_tokens: int, now: float) -> None:
         s = self._stream(kind, inst)
+        s.looked_up += len(units) * unit_tokens
         for u in units:
             if self.sampled(u):
                 s.keys.append(u)
@@ -133,9 +136,13 @@ def lookup_distances(keys: list, vals: list) -> tuple[list[float], list[int]]:
     return dists, tokens
 
 
-def lru_curve(streams: list[_Stream], capacities: list[int], rate: float, total_tokens: int) -> list[float]:
-    """Fraction of ``total_tokens`` held at lookup, per capacity (every
-    instance with that capacity)."""
+def lru_curve(streams: list[_Stream], capacities: list[float], rate: float, total_tokens: int) -> list[float]:
+    """Tokens held at lookup as a share of ``total_tokens``, per capacity
+    (every instance with that capacity).
+
+    With sampling, the share of the sampled lookups' tokens that hit (the
+    ratio estimator of SHARDS) is scaled by the exact share of all tokens
+    looked up."""
     import numpy as np
 
     ds, ws = [], []
@@ -146,11 +153,13 @@ def lru_curve(streams: list[_Stream], capacities: list[int], rate: float, total_
     if not ds or not total_tokens:
         return [0.0] * len(capacities)
     d = np.asarray(ds) / rate
-    w = np.asarray(ws, dtype=float) / rate
+    w = np.asarray(ws, dtype=float)
     order = np.argsort(d, kind="stable")
     d, cum = d[order], np.cumsum(w[order])
+    looked_up = sum(s.looked_up for s in streams) or float(cum[-1])
+    scale = looked_up / float(cum[-1]) / total_tokens
     idx = np.searchsorted(d, np.asarray(capacities, dtype=float), side="right")
-    return [float(cum[i - 1]) / total_tokens if i else 0.0 for i in idx]
+    return [float(cum[i - 1]) * scale if i else 0.0 for i in idx]
 
 
 def lru_replay(keys: list, vals: list, capacity: int) -> int:
@@ -167,10 +176,11 @@ def lru_replay(keys: list, vals: list, capacity: int) -> int:
 
 def shared_curve(streams: list[_Stream], capacities: list[int], rate: float, total_tokens: int,
                  model_args: dict) -> list[float]:
-    """Replay the shared tier's recorded stream at each capacity."""
+    """Replay the shared tier's recorded stream at each capacity (scaled by
+    the sampling rate), with the same estimator as ``lru_curve``."""
     out = []
     for cap in capacities:
-        held = 0.0
+        held = sampled = 0
         for s in streams:
             m = SharedModel(max(1, int(cap * rate)), **model_args)
             for key, v, t in zip(s.keys, s.vals, s.times):
@@ -178,7 +188,10 @@ def shared_curve(streams: list[_Stream], capacities: list[int], rate: float, tot
                     m.store(key, v, t)
                 elif v == -1:
                     m.read(key, t)
-                elif key in m:
-                    held += -v - 1
-        out.append(held / rate / total_tokens if total_tokens else 0.0)
+                else:
+                    sampled += -v - 1
+                    if key in m:
+                        held += -v - 1
+        looked_up = sum(s.looked_up for s in streams) or sampled
+        out.append(held / sampled * looked_up / total_tokens if sampled and total_tokens else 0.0)
     return out

@@ -94,6 +94,9 @@ def to_units(hash_ids: Sequence[int], block_tokens: int, input_length: int, unit
     (``(block chain, index)``); blocks smaller than a unit are grouped, the
     unit's id being the chain through its last block.
     """
+    if max(block_tokens, unit_tokens) % min(block_tokens, unit_tokens):
+        raise ValueError(f"trace blocks of {block_tokens} tokens and units of {unit_tokens} tokens: "
+                         "one must be a multiple of the other")
     n_units = input_length // unit_tokens
     if not hash_ids or not n_units:
         return []
@@ -101,13 +104,9 @@ def to_units(hash_ids: Sequence[int], block_tokens: int, input_length: int, unit
     if block_tokens == unit_tokens:
         return chained[:n_units]
     if block_tokens > unit_tokens:
-        if block_tokens % unit_tokens:
-            raise ValueError(f"trace blocks of {block_tokens} tokens do not split into units of {unit_tokens}")
         r = block_tokens // unit_tokens
         n_units = min(n_units, len(chained) * r)
         return [hash((chained[i // r], i % r)) for i in range(n_units)]
-    if unit_tokens % block_tokens:
-        raise ValueError(f"units of {unit_tokens} tokens are not whole trace blocks of {block_tokens}")
     r = unit_tokens // block_tokens
     n_units = min(n_units, len(chained) // r)
     return [chained[(i + 1) * r - 1] for i in range(n_units)]
