@@ -189,6 +189,12 @@ def format_table(s: dict) -> str:
             sp = v.get("speedup_vs_recompute")
             lines.append(f"{case:>8}  {name:<18}{v['ttft_p50_s']:>9.3f}s{v['ttft_p90_s']:>8.3f}s{v['ttft_p99_s']:>8.3f}s"
                          f"{v['throughput_rps']:>8.2f}{v['cached_fraction']:>7.0%} {(f'{sp:.1f}x' if sp else '-'):>8}")
+    agree = [(case, name, sum(v["hit_tokens"].values()), v["vllm_external_prefix_cache_hits"])
+             for case, by in s["results"].items() for name, v in by.items() if name.startswith("kvtier")]
+    if agree:
+        lines += ["", "kvtier hit tokens vs vLLM's external prefix-cache hits (must agree):"]
+        lines += [f"  {case:>8} {name:<18} {ours:>10.0f} {theirs:>10.0f}  {'agree' if ours == theirs else 'DIFFER'}"
+                  for case, name, ours, theirs in agree]
     checks = [(case, k, c) for case, cs in s["checks"].items() for k, c in cs.items()]
     if checks:
         lines += ["", "acceptance bars:"]
