@@ -227,10 +227,12 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
-def supervise(cmd: ServeCommand, stop_timeout_s: float = 60.0, log=None) -> int:
+def supervise(cmd: ServeCommand, stop_timeout_s: float = 60.0, log=None, orphan_grace_s: float = 10.0) -> int:
     """Run ``cmd`` until it exits; forward SIGINT/SIGTERM; leave no process
     of its group behind. Returns the server's exit status (128+N for a
-    server killed by signal N, 0 after a clean shutdown we asked for)."""
+    server killed by signal N, 0 after a clean shutdown we asked for).
+    Processes of the server's group still running ``orphan_grace_s`` after
+    it exited are killed."""
     log = log or (lambda msg: print(f"kvtier serve: {msg}", file=sys.stderr, flush=True))
     env = dict(os.environ)
     env.update(cmd.env)
@@ -269,7 +271,7 @@ def supervise(cmd: ServeCommand, stop_timeout_s: float = 60.0, log=None) -> int:
                 _kill_group(pgid)
                 deadline = None
         # Engine processes of the server live in its group; none may outlive it.
-        end = time.monotonic() + 10.0
+        end = time.monotonic() + orphan_grace_s
         while _group_alive(pgid) and time.monotonic() < end:
             time.sleep(0.1)
         if _group_alive(pgid):
