@@ -13,6 +13,9 @@ configurations at once (they would share the cores):
                        its files are dropped from the page cache like the shared tier's
     kvtier-local-disk  W3 only: each instance has a disk tier of its own (the
                        "one local NVMe per server" baseline)
+    lmcache            LMCache's vLLM connector, CPU backend    } CUDA hosts only;
+    vllm-offloading    vLLM's OffloadingConnector, host memory  } written, not yet
+                                                                  run (no GPU here)
 
 Workloads: W1 long-context cold resume (per context length), W2 multi-turn
 chat, W3 multi-instance cold resume (K engine processes at once, pinned to
@@ -52,10 +55,21 @@ WORKLOADS = ("w1", "w2", "w3", "w0")
 BLOCK = 128
 CHUNK = 256
 
-UNAVAILABLE_PEERS = {
+# Peers that need CUDA. On a CUDA host ``--configs`` may name them; elsewhere
+# they are reported with the reason, never silently dropped.
+CUDA_PEERS = {
     "lmcache": "LMCache 0.5.6 installs, but its vLLM connector has no CPU path ('No supported cpu connector found')",
     "vllm-offloading": "vLLM's OffloadingConnector and SimpleCPUOffloadConnector refuse the CPU platform",
 }
+ALL_CONFIGS = ALL_CONFIGS + tuple(CUDA_PEERS)
+
+
+def _has_cuda() -> bool:
+    return shutil.which("nvidia-smi") is not None and Path("/dev/nvidiactl").exists()
+
+
+def unavailable_peers() -> dict[str, str]:
+    return {} if _has_cuda() else dict(CUDA_PEERS)
 
 
 @dataclass(frozen=True)
@@ -77,7 +91,9 @@ class ResumeConfig:
     def config_names(self) -> tuple[str, ...]:
         if self.configs:
             return self.configs
-        return {"w3": W3_CONFIGS, "w0": W0_CONFIGS}.get(self.workload, CONFIGS)
+        default = {"w3": W3_CONFIGS, "w0": W0_CONFIGS}.get(self.workload, CONFIGS)
+        # Where they run (CUDA), the peers join W1 and W2.
+        return default + (tuple(CUDA_PEERS) if self.workload in ("w1", "w2") and _has_cuda() else ())
 
 
 def cases(cfg: ResumeConfig) -> list[tuple[str, wl.Workload]]:
@@ -128,6 +144,16 @@ def _spec(cfg: ResumeConfig, name: str, label: str, workload: wl.Workload, model
     cold: dict = {}
     if name in ("kvtier-shared", "kvtier-local-disk"):
         cold = {"drop_page_cache": True}
+    if name == "vllm-offloading":
+        # vLLM's own CPU offloading (CUDA hosts): host memory as the second tier.
+        engine["kv_transfer_config"] = {
+            "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"cpu_bytes_to_use": 8 << 30},
+        }
+    if name == "lmcache":
+        # LMCache's vLLM connector (CUDA hosts), local CPU backend; its
+        # settings come from LMCACHE_* variables (see _peer_env).
+        engine["kv_transfer_config"] = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
     if name == "example":
         engine["kv_transfer_config"] = {
             "kv_connector": "ExampleConnector", "kv_role": "kv_both",
@@ -148,7 +174,8 @@ def run(cfg: ResumeConfig, progress: Callable[[str, int], Callable[[int], None]]
         model_dir = build_config_only(cfg.model, cfg.workdir / "models" / cfg.model, max_len=max_len)
     else:
         model_dir = build_checkpoint(cfg.model, cfg.workdir / "models" / f"{cfg.model}-ckpt", max_len=max_len)
-    names = cfg.config_names()
+    missing = unavailable_peers()
+    names = tuple(n for n in cfg.config_names() if n not in missing)
     rounds = cfg.repeats if cfg.workload == "w0" else 1
     tick = (progress or (lambda d, t: (lambda n: None)))("engine runs", len(todo) * len(names) * rounds)
     runs: list[dict] = []
@@ -162,7 +189,7 @@ def run(cfg: ResumeConfig, progress: Callable[[str, int], Callable[[int], None]]
                 tick(1)
         if cfg.workload == "w1" and cfg.fio and "kvtier-shared" in names:
             fio[label] = _fio(cfg.workdir / "stores" / f"{cfg.workload}-kvtier-shared-{label}", log)
-    summary = summarise(cfg, runs, fio, UNAVAILABLE_PEERS)
+    summary = summarise(cfg, runs, fio, missing)
     _write_requests(cfg.workdir / "report" / "requests.jsonl", cfg, runs)
     return summary
 
@@ -195,6 +222,8 @@ def _run_config(cfg: ResumeConfig, name: str, label: str, workload: wl.Workload,
             spec_path, out_path = Path(tmp) / f"spec-{i}.json", Path(tmp) / f"out-{i}.json"
             spec_path.write_text(json.dumps(_spec(cfg, name, label, workload, model_dir, i, barrier)))
             env = engine_env()
+            if name == "lmcache":
+                env.update(LMCACHE_CHUNK_SIZE=str(CHUNK), LMCACHE_LOCAL_CPU="True", LMCACHE_MAX_LOCAL_CPU_SIZE="8")
             if k > 1:
                 # Instances share the host's CPUs in turn; unpinned OpenMP teams thrash.
                 env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpus[i % len(cpus)])

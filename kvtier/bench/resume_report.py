@@ -205,8 +205,9 @@ def format_table(s: dict) -> str:
         if fio.get("best_gbps"):
             lines.append(f"  {case:>8} fio sequential read {fio['best_gbps']:.2f} GB/s; floor "
                          f"{s['ratios'][case].get('floor_s', float('nan')):.3f}s")
-    lines += ["", "cached = prompt tokens served from a cache (vLLM's or a connector's)",
-              "not run on this host:"] + [f"  {k}: {why}" for k, why in s["unavailable_peers"].items()]
+    lines += ["", "cached = prompt tokens served from a cache (vLLM's or a connector's)"]
+    if s["unavailable_peers"]:
+        lines += ["not run on this host:"] + [f"  {k}: {why}" for k, why in s["unavailable_peers"].items()]
     return "\n".join(lines)
 
 
