@@ -192,8 +192,6 @@ def build_command(model: str, vllm_args: list[str], *, config: str | None = None
     for f in env_values(environ):
         var = f"KVTIER_{f.upper()}"
         env[var] = environ[var]
-    if not config and environ.get("KVTIER_CONFIG"):
-        env.pop("KVTIER_CONFIG", None)  # already resolved into the JSON
     return ServeCommand(argv, env)
 
 
