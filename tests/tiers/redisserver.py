@@ -9,6 +9,7 @@ the end-to-end tests use it. It lives apart from the harness because
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import socket
@@ -42,12 +43,13 @@ def free_port(bus: bool = False) -> int:
 class RedisServer:
     """One redis-server process bound to 127.0.0.1, owned by a test."""
 
-    def __init__(self, dir_: Path, port: int | None = None, cluster: bool = False):
+    def __init__(self, dir_: Path, port: int | None = None, cluster: bool = False, password: str = ""):
         if REDIS_SERVER is None:
             pytest.skip("redis-server is not installed (make sysdeps installs it)")
         self.dir = dir_
         self.dir.mkdir(parents=True, exist_ok=True)
         self.cluster = cluster
+        self.password = password  # requirepass: clients must AUTH
         self.port = port or free_port(bus=cluster)
         self.proc: subprocess.Popen | None = None
         self.start()
@@ -61,6 +63,8 @@ class RedisServer:
             REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
             "--dir", str(self.dir), "--protected-mode", "yes", "--loglevel", "warning",
         ]
+        if self.password:
+            args += ["--requirepass", self.password]
         if self.cluster:
             args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000"]
         log = open(self.dir / "server.log", "ab")
@@ -83,6 +87,10 @@ class RedisServer:
     def ping(self) -> bool:
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                if self.password:
+                    s.sendall(b"AUTH " + self.password.encode() + b"\r\n")
+                    if not s.recv(16).startswith(b"+OK"):
+                        return False
                 s.sendall(b"PING\r\n")
                 return s.recv(16).startswith(b"+PONG")
         except OSError:
@@ -90,7 +98,9 @@ class RedisServer:
 
     def cli(self, *args: str) -> str:
         out = subprocess.run(
-            ["redis-cli", "-h", "127.0.0.1", "-p", str(self.port), *args], capture_output=True, timeout=10, check=True
+            ["redis-cli", "-h", "127.0.0.1", "-p", str(self.port), *args],
+            capture_output=True, timeout=10, check=True,
+            env={**os.environ, "REDISCLI_AUTH": self.password} if self.password else None,  # not on the command line
         )
         return out.stdout.decode()
 

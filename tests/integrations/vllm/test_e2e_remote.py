@@ -1,11 +1,16 @@
 """End to end: vLLM engines share KV through a real Redis and a real S3 store
 (SeaweedFS), and keep serving while that server is killed and restarted.
 
-Per backend two engine processes run on one server this module starts:
+This module starts one redis-server (with a password) and one SeaweedFS,
+and four engine processes (tiny Llama, fp32), all configured through a
+kvtier config file that holds the credentials:
 
-- the writer serves A (512 tokens) and B (700) once: its saves go to the
-  server (its only tier; its write-through is drained when it exits);
-- the reader, a fresh process with the same single tier, then serves
+- a cache-off baseline;
+- the writer, with both servers as its tiers, serves A (512 tokens) and
+  B (700) once: its saves go to both (its write-through is drained when it
+  exits);
+- per backend a reader, a fresh process with that server as its only tier,
+  then serves
   A and B (vLLM's own prefix cache reset before every phase, so every hit is
   kvtier's, read from the server), and pauses (``wait_for``) while this test
   kills the server: A, B and a new prompt N must still be served, each within
@@ -56,6 +61,7 @@ STORE = {"lookup_timeout_s": LOOKUP_TIMEOUT_S, "load_timeout_s": LOAD_TIMEOUT_S,
 OUTAGE_REQUEST_BOUND_S = LOOKUP_TIMEOUT_S + 4.0
 
 BUCKET = "kvtier-e2e"
+REDIS_PASSWORD = "kvtier-e2e-redis-secret"
 
 
 def _phases(prompts: list[tuple[str, list[int]]], wait_for: Path | None = None) -> list[dict]:
@@ -92,29 +98,26 @@ EXPECTED_HITS = {"A": 384, "B": 640, "A-down": 0, "B-down": 0, "N-down": 0, "A-u
 class Backend:
     """One server, the tier config that reaches it, and how to kill it."""
 
-    kvtier: Callable[[], dict]  # the engine's kv_connector_extra_config
+    tier: object  # the tier's entry in a kvtier config file (holds the secret)
     kill: Callable[[], None]
     restart: Callable[[], None]
     close: Callable[[], None]
-    secret: str | None = None  # must never appear in an engine's log
+    secret: str  # must never appear in an engine's log
 
 
 def redis_backend(root: Path) -> Backend:
-    srv = RedisServer(root / "redis")
+    srv = RedisServer(root / "redis", password=REDIS_PASSWORD)
 
     def kill() -> None:
         srv.cli("SAVE")  # an RDB snapshot the restarted server loads (see the module doc)
         srv.stop()  # SIGKILL
 
-    # The URL form, as an operator would write it.
+    # The URL form, as an operator would write it; the password only in the file.
     url = f"redis://{srv.address}?capacity=256MiB&socket_timeout_s=0.5&connect_timeout_s=0.5&io_threads=4&pool_size=8"
-    return Backend(lambda: {**STORE, "tiers": [url]}, kill, srv.start, srv.stop)
+    return Backend(url + f"&password={REDIS_PASSWORD}", kill, srv.start, srv.stop, secret=REDIS_PASSWORD)
 
 
 def s3_backend(root: Path) -> Backend:
-    """Credentials go into a kvtier config file (mode 0600) named by the
-    connector's ``config`` key: vLLM prints kv_connector_extra_config in its
-    start-up log, so secrets must never be put there."""
     srv = S3Server(root / "weed").start()
     try:
         srv.create_bucket(BUCKET)
@@ -126,15 +129,21 @@ def s3_backend(root: Path) -> Backend:
         "region": "us-east-1", "access_key_id": ACCESS_KEY, "secret_access_key": SECRET_KEY,
         "connect_timeout_s": 0.5, "read_timeout_s": 1.0, "io_threads": 4, "gc_interval_s": 0,
     }
-    path = root / "kvtier-s3.json"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump({"tiers": [spec]}, f)
-    return Backend(lambda: {**STORE, "config": str(path)}, lambda: srv.stop(grace=0.5), srv.start, srv.close,
-                   secret=SECRET_KEY)
+    return Backend(spec, lambda: srv.stop(grace=0.5), srv.start, lambda: srv.stop(grace=0.5), secret=SECRET_KEY)
 
 
 BACKENDS = {"redis": redis_backend, "s3": s3_backend}
+
+
+def kvtier_config(path: Path, backends: list[Backend]) -> dict:
+    """The connector's kv_connector_extra_config: the store's settings, and a
+    kvtier config file (mode 0600) with the tiers. Credentials go there: vLLM
+    prints kv_connector_extra_config in its start-up log, so secrets must
+    never be put there."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"tiers": [b.tier for b in backends]}, f)
+    return {**STORE, "config": str(path)}
 
 
 # ------------------------------------------------------------------ the runs
@@ -167,7 +176,6 @@ def _operate(backend: Backend, work: Path, engine_done: threading.Event, notes: 
 @dataclass
 class BackendRuns:
     backend: Future
-    writer: Future
     reader: Future
     notes: dict
 
@@ -185,23 +193,25 @@ def remote(engine_pool, tiny_models, tmp_path_factory):
     baseline = engine_pool.submit(engine_pool.run, {
         "model": model, "kvtier": None, "engine": {"enable_prefix_caching": False}, "phases": [everything],
     }, "remote-baseline")
+    for kind in BACKENDS:
+        (root / kind).mkdir()
+    backends = {kind: engine_pool.submit(make, root / kind) for kind, make in BACKENDS.items()}
+
+    def writer_task():
+        # One writer for both servers (it writes through to each tier): one
+        # engine start less; each reader has its one server only.
+        bs = [f.result() for f in backends.values()]
+        return engine_pool.run({
+            "model": model, "kvtier": kvtier_config(root / "writer.json", bs),
+            "phases": _phases([("warm-A", P["A"]), ("warm-B", P["B"])]),
+        }, "remote-writer")
+
+    writer = engine_pool.submit(writer_task)
     runs: dict[str, BackendRuns] = {}
-    for kind, make in BACKENDS.items():
-        work = root / kind
-        work.mkdir()
-        backend = engine_pool.submit(make, work)
+    for kind, backend in backends.items():
         notes: dict = {}
 
-        def writer_task(backend=backend, kind=kind):
-            b = backend.result()
-            return engine_pool.run({
-                "model": model, "kvtier": b.kvtier(),
-                "phases": _phases([("warm-A", P["A"]), ("warm-B", P["B"])]),
-            }, f"{kind}-writer")
-
-        writer = engine_pool.submit(writer_task)
-
-        def reader_task(backend=backend, writer=writer, kind=kind, work=work, notes=notes):
+        def reader_task(backend=backend, kind=kind, work=root / kind, notes=notes):
             b = backend.result()
             writer.result()
             done = threading.Event()
@@ -209,18 +219,18 @@ def remote(engine_pool, tiny_models, tmp_path_factory):
             op.start()
             try:
                 return engine_pool.run({
-                    "model": model, "kvtier": b.kvtier(), "phases": reader_phases(work),
+                    "model": model, "kvtier": kvtier_config(work / "reader.json", [b]), "phases": reader_phases(work),
                 }, f"{kind}-reader")
             finally:
                 done.set()
                 op.join()
 
-        runs[kind] = BackendRuns(backend, writer, engine_pool.submit(reader_task), notes)
-    yield baseline, runs
-    for r in runs.values():
-        wait([r.reader, r.writer])  # engines first, then their server goes
-        if r.backend.done() and r.backend.exception() is None:
-            r.backend.result().close()
+        runs[kind] = BackendRuns(backend, engine_pool.submit(reader_task), notes)
+    yield baseline, writer, runs
+    wait([writer] + [r.reader for r in runs.values()])  # engines first, then their servers go
+    for f in backends.values():
+        if f.done() and f.exception() is None:
+            f.result().close()
 
 
 # ------------------------------------------------------------------ tests
@@ -233,8 +243,8 @@ def test_second_engine_hits_what_the_first_saved(remote, kind):
     """Two engine processes share KV through the server: the reader, which
     never computed A or B, gets them from the writer's saves, with cache-off
     output."""
-    baseline, runs = remote
-    base, writer, reader = baseline.result(), runs[kind].writer.result(), runs[kind].reader.result()
+    baseline, writer, runs = remote
+    base, writer, reader = baseline.result(), writer.result(), runs[kind].reader.result()
     assert assert_same_output(writer, base) == 2
     assert [writer.only(p)["num_cached_tokens"] for p in ("warm-A", "warm-B")] == [0, 0], writer.where()
     assert writer.kvtier_metric("kvtier_stored_chunks_total", tier=kind) > 0, (
@@ -254,7 +264,7 @@ def test_engine_keeps_serving_while_the_server_is_killed_and_hits_resume_after_r
     non-zero), no request slower than the lookup deadline plus compute,
     cache-off output throughout; after the restart hits resume (A from the
     data that survived, N from saves made after the breaker closed)."""
-    baseline, runs = remote
+    baseline, _, runs = remote
     base, reader = baseline.result(), runs[kind].reader.result()
     assert runs[kind].notes == {"killed": True, "restarted": True}
     assert assert_same_output(reader, base) == len(EXPECTED_HITS)
@@ -273,12 +283,12 @@ def test_engine_keeps_serving_while_the_server_is_killed_and_hits_resume_after_r
     assert m("kvtier_breaker_open", tier=kind) == 0, f"{reader.where()}: breaker still open at the end"
 
 
-@pytest.mark.parametrize("kind", [k for k in KINDS if k == "s3"])  # the test Redis has no password
+@pytest.mark.parametrize("kind", KINDS)
 def test_credentials_stay_out_of_engine_logs(remote, kind):
     """Given through a kvtier config file, the secret key appears nowhere in
     the engines' logs (vLLM logs kv_connector_extra_config verbatim)."""
-    _, runs = remote
+    _, writer, runs = remote
     b = runs[kind].backend.result()
     assert b.secret
-    for run in (runs[kind].writer.result(), runs[kind].reader.result()):
+    for run in (writer.result(), runs[kind].reader.result()):
         assert b.secret not in run.log, f"{run.where()}: the secret key appears in the engine log"
