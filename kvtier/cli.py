@@ -359,6 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     br.add_argument("--json", help="also write the summary to this JSON file")
     br.add_argument("--no-progress", action="store_true", help="no progress bars")
     br.set_defaults(func=cmd_bench_resume)
+    __import__("kvtier.bench.soak", fromlist=["register"]).register(bsub)
 
     store = sub.add_parser("store", help="inspect and maintain a shared (or disk) tier directory")
     ssub = store.add_subparsers(dest="store", required=True)
