@@ -5,9 +5,11 @@ URL parsing, credentials kept out of reprs and logs."""
 from __future__ import annotations
 
 import logging
+import re
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import redis
@@ -304,3 +306,29 @@ def test_the_password_stays_out_of_reprs_and_logs(tmp_path, metrics, caplog):
         assert caplog.text and secret not in caplog.text
     finally:
         server.stop()
+
+
+def test_an_acl_user_made_by_the_documented_line_can_do_everything(server, metrics):
+    """docs/deploy.md gives the ACL line for kvtier's user; Redis checks the
+    commands of kvtier's scripts against it too. Run every operation as that
+    user (with ttl_s, for GETEX and PEXPIRE)."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "deploy.md").read_text()
+    line = re.search(r"^ACL SETUSER kvtier .*$", doc, re.M)
+    assert line, "docs/deploy.md lost its ACL SETUSER line"
+    args = line.group(0).replace(">PASSWORD", ">acl-secret").split()
+    assert server.cli(*args).strip() == "OK"
+    tier = RedisTier(RedisConfig(address=server.address, capacity=64 * OBJ, username="kvtier", password="acl-secret",
+                                 ttl_s=60, io_threads=2, pool_size=6), metrics, CircuitBreaker(threshold=100))
+    try:
+        c = make_chunks(3)
+        assert tier.store(c.objs) == 3
+        assert tier.store(c.objs[:1]) == 1  # already there: EXISTS, then PEXPIRE
+        assert tier.lookup(c.keys) == 3
+        assert fetched(tier, c.keys) == 3
+        assert tier.delete(c.keys[:1]) == 1
+        assert tier.stats().objects == 2
+        assert metrics.value("kvtier_errors_total", tier="redis", op="store") == 0
+        assert metrics.value("kvtier_errors_total", tier="redis", op="delete") == 0
+        assert metrics.value("kvtier_errors_total", tier="redis", op="stats") == 0
+    finally:
+        tier.close()

@@ -55,10 +55,13 @@ LOAD_TIMEOUT_S = 2.0
 COOLDOWN_S = 1.0
 STORE = {"lookup_timeout_s": LOOKUP_TIMEOUT_S, "load_timeout_s": LOAD_TIMEOUT_S,
          "breaker_threshold": 2, "breaker_cooldown_s": COOLDOWN_S}
-# A request during the outage may wait for one lookup deadline (a lookup that
-# fails fast is a miss at once); the rest is a tiny model's compute, a few
-# hundred ms, given generous room for a loaded 2-core machine.
-OUTAGE_REQUEST_BOUND_S = LOOKUP_TIMEOUT_S + 4.0
+# The precise check is that no tier lookup outlived its deadline (kvtier's
+# latency histogram; bucket 2.5 s leaves room for a loaded machine). The
+# request's wall time is only a guard against hangs: a request stuck on a dead
+# server would wait for TCP timeouts (minutes). A tiny model's request takes
+# 0.05-3 s on a shared 2-core machine.
+LOOKUP_BUCKET_S = "2.5"
+OUTAGE_REQUEST_BOUND_S = 15.0
 
 BUCKET = "kvtier-e2e"
 REDIS_PASSWORD = "kvtier-e2e-redis-secret"
@@ -112,9 +115,11 @@ def redis_backend(root: Path) -> Backend:
         srv.cli("SAVE")  # an RDB snapshot the restarted server loads (see the module doc)
         srv.stop()  # SIGKILL
 
-    # The URL form, as an operator would write it; the password only in the file.
-    url = f"redis://{srv.address}?capacity=256MiB&socket_timeout_s=0.5&connect_timeout_s=0.5&io_threads=4&pool_size=8"
-    return Backend(url + f"&password={REDIS_PASSWORD}", kill, srv.start, srv.stop, secret=REDIS_PASSWORD)
+    spec = {
+        "kind": "redis", "address": srv.address, "capacity": "256MiB", "password": REDIS_PASSWORD,
+        "socket_timeout_s": 0.5, "connect_timeout_s": 0.5, "io_threads": 4, "pool_size": 8,
+    }
+    return Backend(spec, kill, srv.start, srv.stop, secret=REDIS_PASSWORD)
 
 
 def s3_backend(root: Path) -> Backend:
@@ -261,8 +266,8 @@ def test_second_engine_hits_what_the_first_saved(remote, kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_engine_keeps_serving_while_the_server_is_killed_and_hits_resume_after_restart(remote, kind):
     """Killed between phases: no failed request (the runner would exit
-    non-zero), no request slower than the lookup deadline plus compute,
-    cache-off output throughout; after the restart hits resume (A from the
+    non-zero), no lookup past its deadline, no request hanging, cache-off
+    output throughout; after the restart hits resume (A from the
     data that survived, N from saves made after the breaker closed)."""
     baseline, _, runs = remote
     base, reader = baseline.result(), runs[kind].reader.result()
@@ -274,6 +279,9 @@ def test_engine_keeps_serving_while_the_server_is_killed_and_hits_resume_after_r
         wall = reader.only(name)["wall_s"]
         assert wall < OUTAGE_REQUEST_BOUND_S, f"{reader.where()}: {name} took {wall:.2f} s during the outage"
     m = reader.kvtier_metric
+    lookups = m("kvtier_op_seconds_count", op="lookup", tier=kind)
+    assert lookups > 0 and m("kvtier_op_seconds_bucket", le=LOOKUP_BUCKET_S, op="lookup", tier=kind) == lookups, (
+        f"{reader.where()}: a lookup took longer than {LOOKUP_BUCKET_S} s (deadline {LOOKUP_TIMEOUT_S} s)")
     assert sum(v for k, v in reader.out["kvtier_metrics"].items()
                if k.startswith("kvtier_errors_total{") and f"tier={kind}" in k) >= 1, reader.where()
     dropped = sum(v for k, v in reader.out["kvtier_metrics"].items()
