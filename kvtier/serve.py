@@ -43,7 +43,8 @@ SIGTERM kvtier serve receives is forwarded once to the server, which shuts
 down (its engine processes with it); a second one, or a server still running
 ``--stop-timeout`` seconds later, gets SIGKILL for the whole group. Whatever
 of the group is left when the server has exited is killed too, and the
-temporary metrics directory is removed. The server also gets SIGTERM if
+temporary directory is removed, as are the OpenMP registrations the
+server's processes leave in /dev/shm. The server also gets SIGTERM if
 kvtier serve itself dies (Linux parent-death signal).
 """
 
@@ -218,6 +219,44 @@ def _group_alive(pgid: int) -> bool:
         return True
 
 
+def _group_pids(pgid: int) -> set[int]:
+    """Processes now in process group ``pgid`` (from /proc; empty elsewhere)."""
+    pids = set()
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return pids
+    for d in entries:
+        if not d.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{d}/stat").read_text()
+        except OSError:
+            continue
+        # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
+        if int(stat.rsplit(")", 1)[1].split()[2]) == pgid:
+            pids.add(int(d))
+    return pids
+
+
+def _sweep_openmp_registrations(pids: set[int]) -> None:
+    """Intel's OpenMP runtime (vLLM's CPU build loads it) registers every
+    process as /dev/shm/__KMP_REGISTERED_LIB_<pid>_<uid> and unregisters at
+    a normal exit; vLLM's engine-core process ends without it. Remove the
+    files of the server's processes, once those are dead."""
+    shm = Path("/dev/shm")
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            continue  # still alive (or the pid was reused): not ours to touch
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        for f in shm.glob(f"__KMP_REGISTERED_LIB_{pid}_*"):
+            f.unlink(missing_ok=True)
+
+
 def _kill_group(pgid: int) -> None:
     try:
         os.killpg(pgid, signal.SIGKILL)
@@ -243,6 +282,8 @@ def supervise(cmd: ServeCommand, stop_timeout_s: float = 60.0, log=None, orphan_
     try:
         proc = subprocess.Popen(cmd.argv, env=env, preexec_fn=_child_setup)
         pgid = proc.pid
+        members = {proc.pid}  # every process seen in the server's group, for the sweep at the end
+        next_scan = 0.0
         forwarded = 0
         deadline = None
         while True:
@@ -251,6 +292,9 @@ def supervise(cmd: ServeCommand, stop_timeout_s: float = 60.0, log=None, orphan_
                 break
             except subprocess.TimeoutExpired:
                 pass
+            if time.monotonic() >= next_scan:
+                members |= _group_pids(pgid)
+                next_scan = time.monotonic() + 1.0
             if len(received) > forwarded:
                 if forwarded == 0:
                     sig = received[0]
@@ -275,6 +319,10 @@ def supervise(cmd: ServeCommand, stop_timeout_s: float = 60.0, log=None, orphan_
         if _group_alive(pgid):
             log("processes of the server outlived it: killing them")
             _kill_group(pgid)
+            end = time.monotonic() + 5.0
+            while _group_alive(pgid) and time.monotonic() < end:
+                time.sleep(0.05)
+        _sweep_openmp_registrations(members)
     finally:
         for s, h in old.items():
             signal.signal(s, h)

@@ -249,6 +249,8 @@ def test_two_servers_resume_each_others_sessions_and_kvtier_serve_stops_cleanly(
         gone, alive = psutil.wait_procs(family, timeout=5)
         assert not alive, f"stray processes after kvtier serve exited: {alive}"
         assert not private_a.exists(), "the server's private TMPDIR must be removed"
+        left = [f.name for p in family for f in Path("/dev/shm").glob(f"__KMP_REGISTERED_LIB_{p.pid}_*")]
+        assert not left, f"OpenMP registrations of the server's processes left in /dev/shm: {left}"
         assert sorted(p.name for p in tmp_a.iterdir()) == [], "kvtier serve and vLLM left temporary files"
         assert "stopping the server" in log_a.read_text(errors="replace")
         print(f"\nstart-up {t_ready - t_start:.1f} s, W3 run {t_run - t_ready:.1f} s, SIGTERM to exit {stop_s:.1f} s")
