@@ -12,6 +12,12 @@ client-side, from the send to the first streamed chunk that carries a token.
 ``cached_tokens`` is the server's ``usage.prompt_tokens_details.cached_tokens``
 (vLLM reports it with ``--enable-prompt-tokens-details``; 0 otherwise).
 
+Servers that do not take token ids get text instead: pass ``detokenize``, a
+function from token ids to text (e.g. a Hugging Face tokenizer's ``decode``
+for the served model). The server tokenizes that text again, so its prompt
+can differ from the workload's by a few tokens at the edges; prefix sharing
+between requests is kept, since equal token prefixes decode to equal text.
+
 Routing (which server serves a request):
     workload  ``Request.instance`` (modulo the number of endpoints): W3's
               random placement, replayed identically on every run
@@ -184,7 +190,8 @@ class EndpointBackend:
     """
 
     def __init__(self, endpoints: list[str], models: list[str], routing: str = "workload", *, seed: int = 0,
-                 timeout_s: float = 600.0, ignore_eos: bool = True, max_workers: int = 64):
+                 timeout_s: float = 600.0, ignore_eos: bool = True, max_workers: int = 64,
+                 detokenize: Callable[[tuple[int, ...]], str] | None = None):
         if routing not in ROUTINGS:
             raise ValueError(f"routing {routing!r}: use one of {', '.join(ROUTINGS)}")
         if not endpoints or len(models) != len(endpoints):
@@ -194,6 +201,7 @@ class EndpointBackend:
         self.routing = routing
         self.timeout_s = timeout_s
         self.ignore_eos = ignore_eos
+        self.detokenize = detokenize
         self.served: dict[str, int] = {}
         self._rng = random.Random(seed)
         self._sticky: dict[int, int] = {}
@@ -249,7 +257,8 @@ class EndpointBackend:
 
     def _do_stream(self, request: Request, url: str, model: str) -> tuple:
         body = {
-            "model": model, "prompt": list(request.tokens), "max_tokens": request.max_tokens,
+            "model": model, "max_tokens": request.max_tokens,
+            "prompt": self.detokenize(request.tokens) if self.detokenize else list(request.tokens),
             "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
             "return_token_ids": True, "ignore_eos": self.ignore_eos,
         }
@@ -311,7 +320,8 @@ def _settle(endpoints: list[str], before: list[dict], expected: list[int], timeo
 def run_workload(workload: Workload, endpoints: list[str], routing: str = "workload",
                  progress: Callable[[str, int], Callable[[int], None]] | None = None, *,
                  models: list[str] | None = None, seed: int = 0, timeout_s: float = 600.0,
-                 ignore_eos: bool = True, block_tokens: int = 256, settle_s: float = 10.0) -> dict:
+                 ignore_eos: bool = True, block_tokens: int = 256, settle_s: float = 10.0,
+                 detokenize: Callable[[tuple[int, ...]], str] | None = None) -> dict:
     """Run ``workload``'s phases in order against ``endpoints`` (base URLs,
     e.g. ``http://10.0.0.1:8000``) and return::
 
@@ -327,7 +337,8 @@ def run_workload(workload: Workload, endpoints: list[str], routing: str = "workl
     ``requests`` ... (deltas over the phase). ``progress(desc, total)``
     returns a ``tick(n)`` called once per finished request, as in
     ``kvtier bench resume``. ``models``: the model name per endpoint (default:
-    what each lists at ``/v1/models``).
+    what each lists at ``/v1/models``). ``detokenize``: send text made from
+    the token ids instead of the ids (see the module docstring).
     """
     if not endpoints:
         raise ValueError("no endpoint given")
@@ -342,7 +353,8 @@ def run_workload(workload: Workload, endpoints: list[str], routing: str = "workl
     tick = (progress or (lambda d, t: (lambda n: None)))(
         f"{workload.name} requests", sum(len(p.requests) for p in workload.phases))
     phases, records = [], []
-    with EndpointBackend(endpoints, models, routing, seed=seed, timeout_s=timeout_s, ignore_eos=ignore_eos) as be:
+    with EndpointBackend(endpoints, models, routing, seed=seed, timeout_s=timeout_s, ignore_eos=ignore_eos,
+                         detokenize=detokenize) as be:
         for phase in workload.phases:
             before = [scrape(u) for u in endpoints]
             t0 = time.perf_counter()
@@ -365,4 +377,5 @@ def run_workload(workload: Workload, endpoints: list[str], routing: str = "workl
             records.extend(recs)
     return {"workload": workload.name, "description": workload.description, "params": workload.params,
             "endpoints": list(endpoints), "routing": routing, "models": models,
+            "prompts": "text" if detokenize else "token ids",
             "phases": phases, "records": records, "notes": notes}

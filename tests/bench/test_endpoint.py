@@ -62,7 +62,9 @@ class FakeServer:
                 if server.fail:
                     self._send(500, b'{"error": "boom"}')
                     return
-                prompt = tuple(body["prompt"])
+                prompt = body["prompt"]
+                # Text prompts: this fake's "tokenizer" reads space-separated ids.
+                prompt = tuple(int(w) for w in prompt.split()) if isinstance(prompt, str) else tuple(prompt)
                 cached = server.cached(prompt)
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
@@ -233,3 +235,14 @@ def test_scrape_parsing_and_deltas():
     assert d == {"kvtier_vllm_external_hit_tokens_total{tier=shared}": 10}
     assert endpoint.by_label(after, endpoint.HIT_TOKENS, "tier") == {"disk": 5, "shared": 17}
     assert endpoint.total(after, endpoint.HIT_TOKENS) == 22
+
+
+def test_text_prompts_when_a_detokenizer_is_given(servers):
+    (a,) = servers(1)
+    wl = w3(sessions=2, context=300, vocab=500, instances=1, seed=0)
+    out = endpoint.run_workload(wl, [a.url], detokenize=lambda ids: " ".join(map(str, ids)))
+    assert out["prompts"] == "text"
+    assert all(isinstance(b["prompt"], str) for b in a.bodies)
+    assert a.bodies[0]["prompt"].split()[:3] == [str(t) for t in wl.phases[0].requests[0].tokens[:3]]
+    resumes = [r for r in out["records"] if r["phase"] == "resume"]
+    assert [r["cached_tokens"] for r in resumes] == [256, 256]
