@@ -11,8 +11,9 @@ random-init fp32 model in both (greedy output depends on every bit of KV):
 2. soak: kvtier with memory, disk and shared tiers. Before each request vLLM's
    own prefix cache is reset (and now and then kvtier's memory tier is
    emptied), so resumed prefixes come from the disk and shared tiers, or are
-   recomputed. Meanwhile a thread in the engine process injects faults at
-   random into those tiers' directories, concurrently with loads and saves:
+   recomputed. A few faults are injected before each request, and meanwhile
+   a thread in the engine process injects more at random into those tiers'
+   directories, concurrently with loads and saves:
 
    flip         one byte of an object (header or payload)
    truncate     an object cut short
@@ -56,7 +57,9 @@ REFERENCES = {
     "engine": "a separate engine, kvtier and prefix cache off",
     "salted": "the same engine before any fault, a fresh cache salt per prompt",
 }
-MUST_BE_ZERO = ("wrong_requests", "failed_requests", "outside_changed")
+MUST_BE_ZERO = ("wrong_requests", "off_logprob_requests", "failed_requests", "outside_changed")
+TOP_LOGPROBS = 5
+LOGPROB_TOL = 1e-3  # as the end-to-end tests: same tokens, same top logprobs within this
 VOCAB_LOW = 3  # token ids 0-2 are pad/bos/eos in tinymodels
 CHUNK = 256
 
@@ -82,7 +85,8 @@ def make_stream(sessions: int, requests: int, seed: int, vocab: int) -> list[lis
 
 
 def run(workdir: Path, requests: int = 60, sessions: int = 5, seed: int = 0, fault_rate: float = 8.0,
-        max_tokens: int = 8, reference: str = "engine", timeout_s: float = 900, log=print) -> dict:
+        max_tokens: int = 8, reference: str = "engine", faults: tuple[str, ...] = FAULTS, faults_per_request: int = 2,
+        timeout_s: float = 900, log=print) -> dict:
     """Both runs; returns the report (see ``format_report``).
 
     ``reference="engine"``: the reference is a separate engine process with
@@ -108,10 +112,10 @@ def run(workdir: Path, requests: int = 60, sessions: int = 5, seed: int = 0, fau
         ref_spec = {
             "model": str(model), "kvtier": None, "engine": {"enable_prefix_caching": False},
             "phases": [{"name": "reference", "prompts": [{"tokens": list(p)} for p in unique],
-                        "max_tokens": max_tokens, "one_by_one": True}],
+                        "max_tokens": max_tokens, "logprobs": TOP_LOGPROBS, "one_by_one": True}],
         }
         ref = _engine(workdir, "reference", ref_spec, ["-m", "kvtier.bench.vllm_runner"], timeout_s)
-        expected = {tuple(p): r["tokens"] for p, r in zip(unique, ref["phases"][0]["results"], strict=True)}
+        expected = {tuple(p): r for p, r in zip(unique, ref["phases"][0]["results"], strict=True)}
         log(f"soak: reference run done ({time.monotonic() - t0:.0f} s)")
     elif reference != "salted":
         raise ValueError(f"reference must be 'engine' or 'salted', not {reference!r}")
@@ -133,7 +137,8 @@ def run(workdir: Path, requests: int = 60, sessions: int = 5, seed: int = 0, fau
                 ],
                 "breaker_cooldown_s": 1.0,
             },
-            "requests": stream, "max_tokens": max_tokens, "seed": seed, "fault_rate": fault_rate,
+            "requests": stream, "max_tokens": max_tokens, "seed": seed, "fault_rate": fault_rate, "faults": list(faults),
+            "faults_per_request": faults_per_request,
             "reference": [list(p) for p in unique] if reference == "salted" else [],
             "dirs": {k: str(v) for k, v in dirs.items()}, "tmpfs": mounted, "outside": str(workdir / "outside"),
         }
@@ -144,8 +149,15 @@ def run(workdir: Path, requests: int = 60, sessions: int = 5, seed: int = 0, fau
         _unmount_below(workdir)
 
     if reference == "salted":
-        expected = {tuple(p): toks for p, toks in zip(unique, out["reference"], strict=True)}
-    wrong = [i for i, (p, r) in enumerate(zip(stream, out["results"])) if r["error"] is None and r["tokens"] != expected[tuple(p)]]
+        expected = {tuple(p): r for p, r in zip(unique, out["reference"], strict=True)}
+    wrong, off = [], []
+    for i, (p, r) in enumerate(zip(stream, out["results"])):
+        if r["error"] is None:
+            exp = expected[tuple(p)]
+            if r["tokens"] != exp["tokens"]:
+                wrong.append(i)
+            elif _logprob_gap(r["logprobs"], exp["logprobs"]) > LOGPROB_TOL:
+                off.append(i)
     failed = [i for i, r in enumerate(out["results"]) if r["error"] is not None]
     km = out["kvtier_metrics"]
     report = {
@@ -154,6 +166,7 @@ def run(workdir: Path, requests: int = 60, sessions: int = 5, seed: int = 0, fau
         "served": len(out["results"]) - len(failed),
         "failed_requests": len(failed),
         "wrong_requests": len(wrong),
+        "off_logprob_requests": len(off),
         "faults": out["faults"],
         "faults_total": sum(out["faults"].values()),
         "faults_skipped": out["skipped"],
@@ -166,11 +179,20 @@ def run(workdir: Path, requests: int = 60, sessions: int = 5, seed: int = 0, fau
         "dropped_saves": _sum(km, "kvtier_dropped_saves_total"),
         "backend_errors": _sum(km, "kvtier_errors_total"),
         "seconds": time.monotonic() - t0,
-        "details": {"wrong": wrong[:20], "failed": [out["results"][i]["error"] for i in failed[:20]],
+        "details": {"wrong": wrong[:20], "off_logprobs": off[:20], "failed": [out["results"][i]["error"] for i in failed[:20]],
                     "outside_changed": out["outside_changed"][:20], "tmpfs": mounted},
     }
     report["ok"] = all(report[k] == 0 for k in MUST_BE_ZERO) and report["served"] == requests
     return report
+
+
+def _logprob_gap(got: list[dict], want: list[dict]) -> float:
+    """The largest difference of a top logprob both runs report, any step."""
+    gap = 0.0
+    for g, w in zip(got, want):
+        for tok in set(g) & set(w):
+            gap = max(gap, abs(g[tok] - w[tok]))
+    return gap
 
 
 def _sum(metrics: dict, name: str) -> float:
@@ -227,6 +249,7 @@ def format_report(r: dict) -> str:
     lines += [
         f"memory tier emptied      {r['memory_drops']} times",
         f"wrong tokens             {r['wrong_requests']} requests (must be 0)",
+        f"logprobs off by > {LOGPROB_TOL:g}  {r['off_logprob_requests']} requests with the right tokens (must be 0)",
         f"failed requests          {r['failed_requests']} (must be 0)",
         f"changes outside store    {r['outside_changed']} (must be 0)",
         f"kvtier hit tokens        {r['kvtier_hit_tokens']:.0f} of {r['prompt_tokens']} prompt tokens",
@@ -261,7 +284,12 @@ def register(bench_subparsers) -> None:
     p.add_argument("--requests", type=int, default=60, help="requests (default 60)")
     p.add_argument("--sessions", type=int, default=5, help="sessions the requests resume (default 5)")
     p.add_argument("--seed", type=int, default=0, help="random seed of prompts and faults (default 0)")
-    p.add_argument("--fault-rate", type=float, default=8.0, help="faults per second, on average (default 8)")
+    p.add_argument("--fault-rate", type=float, default=8.0,
+                   help="faults per second a thread injects while the engine serves, on average (default 8)")
+    p.add_argument("--faults-per-request", type=int, default=2,
+                   help="faults injected before each request as well (default 2)")
+    p.add_argument("--faults", type=_kinds, default=FAULTS,
+                   help=f"fault kinds to inject, comma-separated (default all: {','.join(FAULTS)})")
     p.add_argument("--reference", choices=sorted(REFERENCES), default="engine",
                    help="engine: a separate cache-off engine run (default); salted: the soak engine computes each "
                         "prompt from scratch first, under a fresh cache salt (one engine start less)")
@@ -269,9 +297,18 @@ def register(bench_subparsers) -> None:
     p.set_defaults(func=_cmd)
 
 
+def _kinds(text: str) -> tuple[str, ...]:
+    kinds = tuple(k for k in text.split(",") if k)
+    unknown = [k for k in kinds if k not in FAULTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown fault kind {unknown[0]!r}; known: {', '.join(FAULTS)}")
+    return kinds
+
+
 def _cmd(args: argparse.Namespace) -> int:
     report = run(Path(args.dir), requests=args.requests, sessions=args.sessions, seed=args.seed,
-                 fault_rate=args.fault_rate, reference=args.reference)
+                 fault_rate=args.fault_rate, reference=args.reference, faults=args.faults,
+                 faults_per_request=args.faults_per_request)
     print(format_report(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
@@ -286,7 +323,9 @@ class Injector:
     thread, while the engine serves. Timed faults (vanish, fill, links) are
     undone after a while; ``stop`` undoes what is left."""
 
-    def __init__(self, dirs: dict[str, Path], tmpfs: list[str], outside: Path, rate: float, seed: int):
+    def __init__(self, dirs: dict[str, Path], tmpfs: list[str], outside: Path, rate: float, seed: int,
+                 kinds: tuple[str, ...] = FAULTS):
+        self.kinds = [k for k in kinds if not (k == "fill" and "disk" not in tmpfs)]
         self.dirs = dirs
         self.tmpfs = tmpfs
         self.outside = outside
@@ -294,10 +333,11 @@ class Injector:
         self.rng = random.Random(seed)
         self.counts = {k: 0 for k in FAULTS}
         self.skipped: list[str] = []
-        if "disk" not in tmpfs:
+        if "fill" in kinds and "disk" not in tmpfs:
             self.skipped.append("fill: the disk tier is not on a tmpfs this process could mount (needs root)")
         self._heals: list[tuple[float, callable]] = []
         self._stop = threading.Event()
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="soak-faults", daemon=True)
         self._traps: list[tuple[Path, dict]] = []  # outside copies and their snapshot
         self._n = 0
@@ -309,9 +349,10 @@ class Injector:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(30)
-        for _, heal in self._heals:
-            heal()
-        self._heals.clear()
+        with self._lock:
+            for _, heal in self._heals:
+                heal()
+            self._heals.clear()
 
     def outside_changes(self) -> list[str]:
         changed = []
@@ -323,13 +364,20 @@ class Injector:
 
     # -------------------------------------------------------- loop
     def _run(self) -> None:
-        while not self._stop.wait(self.rng.expovariate(self.rate)):
+        while not self._stop.wait(self.rng.expovariate(self.rate) if self.rate > 0 else 3600):
+            self.inject_one()
+
+    def inject_one(self) -> None:
+        """One random fault now (from the injector's thread, or between
+        requests by the serving loop); due heals first."""
+        with self._lock:
             now = time.monotonic()
             for item in [h for h in self._heals if h[0] <= now]:
                 self._heals.remove(item)
                 item[1]()
-            kinds = [k for k in FAULTS if not (k == "fill" and "disk" not in self.tmpfs)]
-            kind = self.rng.choice(kinds)
+            if not self.kinds:
+                return
+            kind = self.rng.choice(self.kinds)
             try:
                 if getattr(self, "_" + kind.replace("-", "_"))():
                     self.counts[kind] += 1
@@ -515,6 +563,12 @@ def _snapshot(root: Path) -> dict:
     return out
 
 
+def _result(out) -> dict:
+    c = out.outputs[0]
+    return {"tokens": list(c.token_ids), "cached": out.num_cached_tokens, "error": None,
+            "logprobs": [{str(t): float(v.logprob) for t, v in step.items()} for step in (c.logprobs or [])]}
+
+
 def _empty_memory_tiers(runtime) -> None:
     for store in runtime.stores():
         store.flush(30)
@@ -536,28 +590,30 @@ def engine_main(spec_path: str, out_path: str) -> int:
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
               enable_prefix_caching=True, kv_cache_memory_bytes=64 << 20, max_model_len=4096,
               disable_log_stats=False, kv_transfer_config=_connector_config(spec["kvtier"]))
-    sp = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, detokenize=False)
+    sp = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, detokenize=False, logprobs=TOP_LOGPROBS)
     rng = random.Random(spec["seed"] + 1)
     injector = Injector({k: Path(v) for k, v in spec["dirs"].items()}, spec["tmpfs"], Path(spec["outside"]),
-                        spec["fault_rate"], spec["seed"] + 2)
+                        spec["fault_rate"], spec["seed"] + 2, tuple(spec["faults"]))
     results, drops, reference = [], 0, []
     for tokens in spec["reference"]:  # before any fault; a fresh salt: nothing to reuse
         llm.reset_prefix_cache()
         salt = os.urandom(16).hex()
         out = llm.generate([{"prompt_token_ids": tokens, "cache_salt": salt}], sp, use_tqdm=False)[0]
         assert out.num_cached_tokens == 0, "a salted reference request reused KV"
-        reference.append(list(out.outputs[0].token_ids))
+        reference.append(_result(out))
     _empty_memory_tiers(runtime)
     injector.start()
     try:
         for tokens in spec["requests"]:
             llm.reset_prefix_cache()  # the prefix comes from kvtier or is recomputed
+            for _ in range(spec["faults_per_request"]):  # besides the thread's, whatever the engine's speed
+                injector.inject_one()
             if rng.random() < 0.5:
                 _empty_memory_tiers(runtime)
                 drops += 1
             try:
                 out = llm.generate([{"prompt_token_ids": tokens}], sp, use_tqdm=False)[0]
-                results.append({"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens, "error": None})
+                results.append(_result(out))
             except Exception as exc:  # counted as a failed request
                 results.append({"tokens": None, "cached": 0, "error": f"{type(exc).__name__}: {exc}"})
     finally:
