@@ -280,7 +280,8 @@ def supervise(cmd: ServeCommand, stop_timeout_s: float = 60.0, log=None, orphan_
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        proc = subprocess.Popen(cmd.argv, env=env, preexec_fn=_child_setup)
+        # preexec_fn: kvtier serve runs no other thread here, so the fork is safe.
+        proc = subprocess.Popen(cmd.argv, env=env, preexec_fn=_child_setup)  # noqa: PLW1509
         pgid = proc.pid
         members = {proc.pid}  # every process seen in the server's group, for the sweep at the end
         next_scan = 0.0
@@ -313,6 +314,7 @@ def supervise(cmd: ServeCommand, stop_timeout_s: float = 60.0, log=None, orphan_
                 _kill_group(pgid)
                 deadline = None
         # Engine processes of the server live in its group; none may outlive it.
+        members |= _group_pids(pgid)
         end = time.monotonic() + orphan_grace_s
         while _group_alive(pgid) and time.monotonic() < end:
             time.sleep(0.1)

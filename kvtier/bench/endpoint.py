@@ -51,8 +51,8 @@ import queue
 import random
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
 from urllib.parse import urlsplit
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -241,7 +241,7 @@ class EndpointBackend:
         self._closed.set()
         self._pool.shutdown(wait=True, cancel_futures=True)
 
-    def __enter__(self) -> "EndpointBackend":
+    def __enter__(self) -> EndpointBackend:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -42,7 +42,7 @@ import pytest
 from kvtier.bench import endpoint
 from kvtier.bench.engine_env import engine_env
 from kvtier.bench.tinymodels import PRESETS, build_checkpoint
-from kvtier.bench.workloads import Phase, Workload, w3
+from kvtier.bench.workloads import Workload, w3
 from tests.integrations.vllm.conftest import REPO, run_engine, tail
 
 pytestmark = pytest.mark.slow
@@ -246,7 +246,7 @@ def test_two_servers_resume_each_others_sessions_and_kvtier_serve_stops_cleanly(
         rc = a.wait(timeout=90)
         stop_s = time.monotonic() - t_stop
         assert rc == 0, f"kvtier serve exited {rc}; log tail:\n{tail(log_a.read_text(errors='replace'))}"
-        gone, alive = psutil.wait_procs(family, timeout=5)
+        _, alive = psutil.wait_procs(family, timeout=5)
         assert not alive, f"stray processes after kvtier serve exited: {alive}"
         assert not private_a.exists(), "the server's private TMPDIR must be removed"
         left = [f.name for p in family for f in Path("/dev/shm").glob(f"__KMP_REGISTERED_LIB_{p.pid}_*")]
