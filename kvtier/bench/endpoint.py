@@ -379,3 +379,30 @@ def run_workload(workload: Workload, endpoints: list[str], routing: str = "workl
             "endpoints": list(endpoints), "routing": routing, "models": models,
             "prompts": "text" if detokenize else "token ids",
             "phases": phases, "records": records, "notes": notes}
+
+
+def as_resume_run(result: dict, config: str = "endpoint", case: str = "", rnd: int = 0) -> dict:
+    """A ``run_workload`` result in the shape of one configuration's run of
+    ``kvtier bench resume`` (what its report reads): records, measured
+    phases, phase spans, and the metric deltas summed over phases and
+    servers, ``kvtier_*`` as scraped and ``vllm:*`` named as vLLM's offline
+    ``get_metrics()`` names them (``vllm:external_prefix_cache_hits``, no
+    ``_total``)."""
+    kv: dict[str, float] = {}
+    vm: dict[str, float] = {}
+    for ph in result["phases"]:
+        for srv in ph["servers"]:
+            for key, v in srv["metrics"].items():
+                if key.startswith("kvtier"):
+                    kv[key] = kv.get(key, 0.0) + v
+                elif key.startswith("vllm:"):
+                    name, brace, labels = key.partition("{")
+                    key = name.removesuffix("_total") + brace + labels
+                    vm[key] = vm.get(key, 0.0) + v
+    return {
+        "config": config, "case": case, "round": rnd, "instances": len(result["endpoints"]),
+        "records": result["records"],
+        "measured": sorted(p["name"] for p in result["phases"] if p["measured"]),
+        "span_s": {p["name"]: p["wall_s"] for p in result["phases"]},
+        "kvtier_metrics": kv, "vllm_metrics": vm,
+    }

@@ -246,3 +246,17 @@ def test_text_prompts_when_a_detokenizer_is_given(servers):
     assert a.bodies[0]["prompt"].split()[:3] == [str(t) for t in wl.phases[0].requests[0].tokens[:3]]
     resumes = [r for r in out["records"] if r["phase"] == "resume"]
     assert [r["cached_tokens"] for r in resumes] == [256, 256]
+
+
+def test_as_resume_run_sums_phases_and_servers_under_offline_names(servers):
+    a, b = servers(2)
+    wl = w3(sessions=6, context=300, vocab=500, instances=2, seed=3)
+    out = endpoint.run_workload(wl, [a.url, b.url])
+    run = endpoint.as_resume_run(out, config="kvtier-shared", case="300")
+    assert run["records"] is out["records"] and run["instances"] == 2
+    assert run["measured"] == ["resume"] and set(run["span_s"]) == {"warm", "resume"}
+    hits = sum(r["cached_tokens"] for r in out["records"])
+    assert hits > 0
+    assert run["kvtier_metrics"]["kvtier_vllm_external_hit_tokens_total{tier=shared}"] == hits
+    assert run["vllm_metrics"]["vllm:external_prefix_cache_hits"] == hits
+    assert run["vllm_metrics"]["vllm:request_success{finished_reason=length}"] == 12
