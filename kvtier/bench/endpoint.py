@@ -3,6 +3,7 @@
 
     run_workload(workload, ["http://node1:8000", "http://node2:8000"],
                  routing="workload") -> dict
+    as_resume_run(result) -> dict   # the shape of one ``kvtier bench resume`` run
 
 Each request is one streaming ``POST /v1/completions`` with the prompt as
 token ids (vLLM takes a list of ints as ``prompt``), greedy, ``ignore_eos``
