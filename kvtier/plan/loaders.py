@@ -151,6 +151,28 @@ def kvtier_request(r: dict, unit_tokens: int, t0: float = 0.0) -> Request:
     )
 
 
+def _fill_tails(reqs: list[Request], unit_tokens: int) -> None:
+    """Whole units past a prompt's last logged block (the driver hashes blocks
+    of ``block_tokens``, often a chunk: a prompt's last part-chunk of whole
+    engine blocks has no id, though kvtier stores it).
+
+    Where the next turn of the same session starts with every logged block of
+    this turn, it is taken to extend this turn's prompt (as every turn of a
+    chat workload does: history + answer + user turn), and its unit ids name
+    the missing units. Logging ``block_tokens`` equal to the engine's block
+    size makes this unnecessary."""
+    by_session: dict = {}
+    for r in reqs:
+        by_session.setdefault(r.session, []).append(r)
+    for turns in by_session.values():
+        turns.sort(key=lambda r: (r.turn, r.t))
+        for a, b in zip(turns, turns[1:]):
+            n = a.prompt_tokens // unit_tokens
+            if len(a.units) < n <= len(b.units) and b.prompt_tokens >= a.prompt_tokens \
+                    and b.units[: len(a.units)] == a.units:
+                a.units = b.units[:n]
+
+
 def kvtier_records(path: Path) -> list[dict]:
     return list(_lines(Path(path)))
 
@@ -175,6 +197,7 @@ def load_kvtier_log(path: Path, unit_tokens: int, config: str | None = None, lim
         rs = sorted((r for r in recs if r.get("phase", "") == ph), key=lambda r: r["t_send"])
         reqs += [kvtier_request(r, unit_tokens, t0) for r in rs]
         t0 = max([t0] + [t0 + float(r.get("t_done", r["t_send"])) for r in rs]) + 1.0
+    _fill_tails(reqs, unit_tokens)
     if limit:
         reqs = reqs[:limit]
     workload = next((r.get("workload") for r in recs if r.get("workload")), None)
