@@ -111,20 +111,38 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
 
 
 def stop_group(proc: subprocess.Popen) -> None:
-    """Test cleanup: the process group of a server we started, whatever state it is in."""
+    """Test cleanup: the process group of a server we started, whatever state
+    it is in, and the /dev/shm OpenMP registrations its processes leave
+    (server B runs without kvtier serve, which would remove them)."""
+    try:
+        pids = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        pids = [proc.pid]
     for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
-            return
+            break
         try:
             proc.wait(wait)
+            break
         except subprocess.TimeoutExpired:
             continue
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+    for pid in pids:
+        if not psutil.pid_exists(pid):
+            for f in Path("/dev/shm").glob(f"__KMP_REGISTERED_LIB_{pid}_*"):
+                f.unlink(missing_ok=True)
 
 
 def test_two_servers_resume_each_others_sessions_and_kvtier_serve_stops_cleanly(tmp_path):
