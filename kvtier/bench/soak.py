@@ -27,6 +27,9 @@ random-init fp32 model in both (greedy output depends on every bit of KV):
    vanish       the shared directory's layout taken away for a while
    fill         the disk tier's file system filled for a while (needs a
                 tmpfs, so root; reported as skipped otherwise)
+   redis-stall  the Redis server stopped (SIGSTOP) for a while: a hung
+                backend (with a Redis tier, when redis-server and redis-py
+                are installed; reported as skipped otherwise)
 
 The report: requests served, faults injected by kind, wrong-token requests
 (against the reference; must be 0), failed requests (must be 0), changes
@@ -44,6 +47,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -52,7 +56,8 @@ import time
 import zlib
 from pathlib import Path
 
-FAULTS = ("flip", "truncate", "zero", "delete", "version", "swap", "symlink", "symlink-dir", "fifo", "vanish", "fill")
+FAULTS = ("flip", "truncate", "zero", "delete", "version", "swap", "symlink", "symlink-dir", "fifo", "vanish", "fill",
+          "redis-stall")
 REFERENCES = {
     "engine": "a separate engine, kvtier and prefix cache off",
     "salted": "the same engine before any fault, a fresh cache salt per prompt",
@@ -120,23 +125,28 @@ def run(workdir: Path, requests: int = 60, sessions: int = 5, seed: int = 0, fau
     elif reference != "salted":
         raise ValueError(f"reference must be 'engine' or 'salted', not {reference!r}")
 
-    mounted = []
+    mounted, redis = [], None
     dirs = {"disk": workdir / "disk", "shared": workdir / "shared"}
     for name, size in (("disk", "48m"), ("shared", "96m")):
         dirs[name].mkdir()
         if _mount_tmpfs(dirs[name], size):
             mounted.append(name)
     try:
+        tiers = [
+            {"kind": "memory", "capacity": "4MiB"},
+            {"kind": "disk", "path": str(dirs["disk"] / "store"), "capacity": "24MiB"},
+            {"kind": "shared", "path": str(dirs["shared"] / "store"), "capacity": "48MiB"},
+        ]
+        redis_skip = None
+        if "redis-stall" in faults:
+            redis, redis_skip = _start_redis(workdir / "redis")
+            if redis is not None:
+                tiers.insert(2, {"kind": "redis", "address": f"127.0.0.1:{redis[1]}", "capacity": "32MiB",
+                                 "socket_timeout_s": 0.5, "connect_timeout_s": 0.5})
         spec = {
             "model": str(model),
-            "kvtier": {
-                "tiers": [
-                    {"kind": "memory", "capacity": "4MiB"},
-                    {"kind": "disk", "path": str(dirs["disk"] / "store"), "capacity": "24MiB"},
-                    {"kind": "shared", "path": str(dirs["shared"] / "store"), "capacity": "48MiB"},
-                ],
-                "breaker_cooldown_s": 1.0,
-            },
+            "kvtier": {"tiers": tiers, "breaker_cooldown_s": 1.0},
+            "redis_pid": redis[0].pid if redis is not None else None, "redis_skip": redis_skip,
             "requests": stream, "max_tokens": max_tokens, "seed": seed, "fault_rate": fault_rate, "faults": list(faults),
             "faults_per_request": faults_per_request,
             "reference": [list(p) for p in unique] if reference == "salted" else [],
@@ -146,6 +156,9 @@ def run(workdir: Path, requests: int = 60, sessions: int = 5, seed: int = 0, fau
         out = _engine(workdir, "soak", spec, ["-m", "kvtier.bench.soak", "--engine"], timeout_s)
         log(f"soak: faulted run done ({time.monotonic() - t1:.0f} s)")
     finally:
+        if redis is not None:
+            redis[0].kill()  # SIGKILL stops a stopped (SIGSTOPped) process too
+            redis[0].wait(10)
         _unmount_below(workdir)
 
     if reference == "salted":
@@ -217,6 +230,39 @@ def _engine(workdir: Path, name: str, spec: dict, module: list[str], timeout_s: 
     return json.loads(out_path.read_text())
 
 
+def _start_redis(workdir: Path):
+    """A redis-server on a free loopback port, no persistence: (process,
+    port), or (None, why not)."""
+    import socket
+
+    exe = shutil.which("redis-server")
+    try:
+        import redis  # noqa: F401  (the tier's client)
+    except ImportError:
+        return None, "redis-stall: redis-py is not installed (pip install 'kvtier[redis]')"
+    if exe is None:
+        return None, "redis-stall: redis-server is not installed"
+    workdir.mkdir(parents=True, exist_ok=True)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(workdir), "--protected-mode", "yes", "--loglevel", "warning"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as c:
+                c.sendall(b"PING\r\n")
+                if c.recv(16).startswith(b"+PONG"):
+                    return (proc, port), None
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    proc.wait(10)
+    return None, "redis-stall: redis-server did not start"
+
+
 def _mount_tmpfs(path: Path, size: str) -> bool:
     if os.geteuid() != 0:
         return False
@@ -273,9 +319,9 @@ def register(bench_subparsers) -> None:
         "soak",
         help="randomized fault soak: a real vLLM engine serves resumed sessions while kvtier's storage is damaged",
         description=(
-            "Runs a tiny random-init model in vLLM twice: a cache-off reference, then with kvtier (memory, disk "
-            "and shared tiers) while a thread corrupts, truncates, deletes, swaps and replaces objects by links "
-            "and FIFOs, takes the shared directory away and fills the disk. Prints requests served, faults "
+            "Runs a tiny random-init model in vLLM twice: a cache-off reference, then with kvtier (memory, disk, "
+            "redis and shared tiers) while a thread corrupts, truncates, deletes, swaps and replaces objects by "
+            "links and FIFOs, takes the shared directory away, fills the disk and stops the Redis server. Prints requests served, faults "
             "injected, wrong-token and failed requests (both must be 0). Needs vLLM; the disk-full fault needs "
             "root (a tmpfs is mounted)."
         ),
@@ -324,8 +370,11 @@ class Injector:
     undone after a while; ``stop`` undoes what is left."""
 
     def __init__(self, dirs: dict[str, Path], tmpfs: list[str], outside: Path, rate: float, seed: int,
-                 kinds: tuple[str, ...] = FAULTS):
-        self.kinds = [k for k in kinds if not (k == "fill" and "disk" not in tmpfs)]
+                 kinds: tuple[str, ...] = FAULTS, redis_pid: int | None = None, redis_skip: str | None = None):
+        self.kinds = [k for k in kinds if not (k == "fill" and "disk" not in tmpfs)
+                      and not (k == "redis-stall" and redis_pid is None)]
+        self.redis_pid = redis_pid
+        self._redis_stopped = False
         self.dirs = dirs
         self.tmpfs = tmpfs
         self.outside = outside
@@ -335,6 +384,8 @@ class Injector:
         self.skipped: list[str] = []
         if "fill" in kinds and "disk" not in tmpfs:
             self.skipped.append("fill: the disk tier is not on a tmpfs this process could mount (needs root)")
+        if redis_skip:
+            self.skipped.append(redis_skip)
         self._heals: list[tuple[float, callable]] = []
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -539,6 +590,19 @@ class Injector:
         self._later(self.rng.uniform(0.3, 1.5), lambda: filler.unlink(missing_ok=True))
         return True
 
+    def _redis_stall(self) -> bool:
+        if self._redis_stopped:
+            return False
+        os.kill(self.redis_pid, signal.SIGSTOP)
+        self._redis_stopped = True
+
+        def heal():
+            os.kill(self.redis_pid, signal.SIGCONT)
+            self._redis_stopped = False
+
+        self._later(self.rng.uniform(0.3, 1.5), heal)
+        return True
+
     def _trap(self) -> Path:
         self._n += 1
         trap = self.outside / f"trap-{self._n}"
@@ -593,7 +657,8 @@ def engine_main(spec_path: str, out_path: str) -> int:
     sp = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, detokenize=False, logprobs=TOP_LOGPROBS)
     rng = random.Random(spec["seed"] + 1)
     injector = Injector({k: Path(v) for k, v in spec["dirs"].items()}, spec["tmpfs"], Path(spec["outside"]),
-                        spec["fault_rate"], spec["seed"] + 2, tuple(spec["faults"]))
+                        spec["fault_rate"], spec["seed"] + 2, tuple(spec["faults"]), spec["redis_pid"],
+                        spec["redis_skip"])
     results, drops, reference = [], 0, []
     for tokens in spec["reference"]:  # before any fault; a fresh salt: nothing to reuse
         llm.reset_prefix_cache()
