@@ -109,9 +109,13 @@ def cmd_bench_resume(args: argparse.Namespace) -> int:
     cfg = resume.ResumeConfig(
         workdir=Path(args.dir), workload=args.workload, model=args.model, contexts=args.contexts,
         sessions=args.sessions, configs=tuple(args.configs), dummy_weights=not args.checkpoint, chat=chat,
-        instances=args.instances, repeats=args.repeats, fio=not args.no_fio,
+        instances=args.instances, repeats=args.repeats, fio=not args.no_fio, vocab=args.vocab, seed=args.seed,
     )
-    summary = resume.run(cfg, progress=_progress_factory(not args.no_progress))
+    if args.endpoint:
+        summary = resume.run_endpoints(cfg, args.endpoint, args.routing, args.label,
+                                       progress=_progress_factory(not args.no_progress))
+    else:
+        summary = resume.run(cfg, progress=_progress_factory(not args.no_progress))
     print(resume_report.format_table(summary))
     paths = resume_report.write_report(summary, Path(args.dir) / "report")
     if args.json:
@@ -354,6 +358,17 @@ def build_parser() -> argparse.ArgumentParser:
     br.add_argument("--think", type=float, default=2.0, help="w2: mean think time between turns, seconds (default 2)")
     br.add_argument("--rate", type=float, default=0.5, help="w2: conversations started per second, Poisson (default 0.5)")
     br.add_argument("--concurrency", type=int, default=4, help="w2: requests in flight at most (default 4)")
+    br.add_argument("--endpoint", action="append", default=[], metavar="URL",
+                    help="run against live OpenAI-compatible servers instead (repeat per server, e.g. "
+                    "http://node1:8000); prompts are token ids drawn below --vocab; start them with `kvtier serve` "
+                    "(see docs/cluster.md)")
+    br.add_argument("--vocab", type=int, help="draw prompt token ids below this (default: the --model preset's "
+                    "vocabulary; with --endpoint, the served model's)")
+    br.add_argument("--routing", choices=("workload", "random", "sticky"), default="workload",
+                    help="with --endpoint: the workload's own placement (w3: random per request), random per "
+                    "request, or sticky per session (default workload)")
+    br.add_argument("--label", default="endpoint", help="with --endpoint: the configuration's name in the report")
+    br.add_argument("--seed", type=int, default=0, help="seed of the workload's token ids, lengths, times and routing (default 0)")
     br.add_argument("--checkpoint", action="store_true", help="random-init checkpoint instead of dummy weights")
     br.add_argument("--no-fio", action="store_true", help="w1: skip the fio floor measurement")
     br.add_argument("--json", help="also write the summary to this JSON file")

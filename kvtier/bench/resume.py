@@ -86,6 +86,7 @@ class ResumeConfig:
     instances: int = 3
     repeats: int = 3                       # W0: alternating rounds per configuration
     fio: bool = True
+    vocab: int | None = None               # token ids drawn below this (default: the model preset's)
     engine_timeout_s: float = 3600
 
     def config_names(self) -> tuple[str, ...]:
@@ -98,7 +99,7 @@ class ResumeConfig:
 
 def cases(cfg: ResumeConfig) -> list[tuple[str, wl.Workload]]:
     """(label, workload) pairs the run measures, one row group each."""
-    vocab = PRESETS[cfg.model][6]
+    vocab = cfg.vocab or PRESETS[cfg.model][6]
     if cfg.workload == "w1":
         return [(str(c), wl.w1(cfg.sessions, c, vocab, cfg.seed)) for c in cfg.contexts]
     if cfg.workload == "w3":
@@ -190,6 +191,28 @@ def run(cfg: ResumeConfig, progress: Callable[[str, int], Callable[[int], None]]
         if cfg.workload == "w1" and cfg.fio and "kvtier-shared" in names:
             fio[label] = _fio(cfg.workdir / "stores" / f"{cfg.workload}-kvtier-shared-{label}", log)
     summary = summarise(cfg, runs, fio, missing)
+    _write_requests(cfg.workdir / "report" / "requests.jsonl", cfg, runs)
+    return summary
+
+
+def run_endpoints(cfg: ResumeConfig, endpoints: list[str], routing: str = "workload", label: str = "endpoint",
+                  progress: Callable[[str, int], Callable[[int], None]] | None = None) -> dict:
+    """The same workloads against live OpenAI-compatible servers (``kvtier
+    serve`` or ``vllm serve`` with the connector): one configuration, named
+    ``label``, whatever the servers run. Hits per tier and per server come
+    from their ``/metrics``, scraped around each phase."""
+    from kvtier.bench import endpoint
+
+    runs, notes, per_server = [], [], {}
+    for case, workload in cases(cfg):
+        result = endpoint.run_workload(workload, endpoints, routing, progress, block_tokens=CHUNK)
+        runs.append(endpoint.as_resume_run(result, config=label, case=case))
+        notes += [n for n in result["notes"] if n not in notes]
+        per_server[case] = {ph["name"]: [{"endpoint": srv["endpoint"], "requests": srv["requests"], **srv["summary"]}
+                                         for srv in ph["servers"]] for ph in result["phases"]}
+    summary = summarise(cfg, runs, {}, {})
+    summary.update(endpoints=list(endpoints), routing=routing, notes=notes, per_server=per_server,
+                   instances=len(endpoints))
     _write_requests(cfg.workdir / "report" / "requests.jsonl", cfg, runs)
     return summary
 

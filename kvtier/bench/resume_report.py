@@ -195,6 +195,12 @@ def format_table(s: dict) -> str:
         lines += ["", "kvtier hit tokens vs vLLM's external prefix-cache hits (must agree):"]
         lines += [f"  {case:>8} {name:<18} {ours:>10.0f} {theirs:>10.0f}  {'agree' if ours == theirs else 'DIFFER'}"
                   for case, name, ours, theirs in agree]
+    for case, phases in s.get("per_server", {}).items():
+        lines += ["", f"per server ({case}): requests, kvtier hit tokens by tier, vLLM external hits"]
+        for phase, servers in phases.items():
+            for srv in servers:
+                lines.append(f"  {phase:<8} {srv['endpoint']:<28} {srv['requests']:>4}  "
+                             f"{srv.get('kvtier_hit_tokens_by_tier', {})}  {srv.get('external_prefix_cache_hits', 0):.0f}")
     checks = [(case, k, c) for case, cs in s["checks"].items() for k, c in cs.items()]
     if checks:
         lines += ["", "acceptance bars:"]
@@ -206,6 +212,7 @@ def format_table(s: dict) -> str:
             lines.append(f"  {case:>8} fio sequential read {fio['best_gbps']:.2f} GB/s; floor "
                          f"{s['ratios'][case].get('floor_s', float('nan')):.3f}s")
     lines += ["", "cached = prompt tokens served from a cache (vLLM's or a connector's)"]
+    lines += [f"note: {n}" for n in s.get("notes", ())]
     if s["unavailable_peers"]:
         lines += ["not run on this host:"] + [f"  {k}: {why}" for k, why in s["unavailable_peers"].items()]
     return "\n".join(lines)

@@ -249,6 +249,27 @@ def test_two_servers_resume_each_others_sessions_and_kvtier_serve_stops_cleanly(
             assert srv["summary"]["kvtier_hit_tokens_by_tier"] == {}, srv
             assert srv["metrics"].get("kvtier_vllm_saved_chunks_total", 0) > 0, f"kvtier's metrics on /metrics: {srv}"
 
+        # The report of `kvtier bench resume --endpoint` matches an in-process
+        # run of the same workload (W1, sessions nobody stored yet) in hit
+        # tokens per tier: B has the shared tier alone and too few blocks to
+        # keep a session, like the in-process kvtier-shared configuration.
+        common = ("bench", "resume", "--workload", "w1", "--contexts", str(CONTEXT), "--sessions", "3",
+                  "--model", "tiny-llama", "--seed", "1000", "--no-progress")
+        ep = subprocess.run(kvtier_cmd(*common, "--endpoint", url_b, "--label", "server-b", "--dir",
+                                       str(tmp_path / "ep"), "--json", str(tmp_path / "ep.json")),
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert ep.returncode == 0, ep.stdout[-2000:] + ep.stderr[-2000:]
+        inproc = subprocess.run(kvtier_cmd(*common, "--configs", "kvtier-shared", "--no-fio", "--dir",
+                                           str(tmp_path / "ip"), "--json", str(tmp_path / "ip.json")),
+                                cwd=REPO, capture_output=True, text=True, timeout=600,
+                                env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cpu_a})
+        assert inproc.returncode == 0, inproc.stdout[-2000:] + inproc.stderr[-2000:]
+        ep_res = json.loads((tmp_path / "ep.json").read_text())["results"][str(CONTEXT)]["server-b"]
+        ip_res = json.loads((tmp_path / "ip.json").read_text())["results"][str(CONTEXT)]["kvtier-shared"]
+        assert ep_res["hit_tokens"] == ip_res["hit_tokens"] == {"shared": 3 * HIT}, (ep_res, ip_res)
+        assert ep_res["cached_tokens_p50"] == ip_res["cached_tokens_p50"] == HIT
+        assert "per server" in ep.stdout and url_b in ep.stdout
+
         # kvtier serve: the line it printed first, then a clean stop on SIGTERM.
         printed = out_a.read_text().splitlines()[0]
         words_a = shlex.split(printed)
