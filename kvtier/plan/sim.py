@@ -162,14 +162,7 @@ class Simulator:
         self.now = 0.0
 
     def _hook(self, kind: str, inst: int) -> Callable[[int, int], None] | None:
-        if self.recorder is None:
-            return None
-        rec = self.recorder
-
-        def on_event(key: int, size: int) -> None:
-            rec.access(kind, inst, key, size, self.now)
-
-        return on_event
+        return self.recorder.hook(kind, inst, self._clock) if self.recorder is not None else None
 
     # ------------------------------------------------------------ routing
     def route(self, r: Request) -> _Instance:

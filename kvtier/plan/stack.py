@@ -29,16 +29,17 @@ whose hash falls under the rate are followed and distances are scaled by
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from kvtier.plan.models import LRUModel, SharedModel
 
-_SALT = 0x5EED
+_MASK = 0xFFFFFFFF
 
 
 @dataclass
 class _Stream:
     # One list of events: (key, size) for a use, (key, -tokens - 1) for a
-    # lookup; the shared tier adds (key, -1) for a read, with a clock.
+    # lookup; the shared tier adds (key, -1) for a read, and a clock (times).
     keys: list = field(default_factory=list)
     vals: list = field(default_factory=list)
     times: list = field(default_factory=list)
@@ -46,13 +47,18 @@ class _Stream:
 
 
 class StreamRecorder:
+    """Per (tier, instance): the sampled uses and lookups, in order.
+
+    Keys are already well-mixed 64-bit hashes (chained ``hash`` of int
+    tuples), so a key is followed when its low 32 bits fall under the rate."""
+
     def __init__(self, rate: float = 1.0):
         self.rate = rate
-        self._limit = int(rate * (1 << 32))
+        self._limit = 1 << 32 if rate >= 1.0 else int(rate * (1 << 32))
         self.streams: dict[tuple[str, int], _Stream] = {}
 
     def sampled(self, key: int) -> bool:
-        return self.rate >= 1.0 or (hash((key, _SALT)) & 0xFFFFFFFF) < self._limit
+        return (key & _MASK) < self._limit
 
     def _stream(self, kind: str, inst: int) -> _Stream:
         s = self.streams.get((kind, inst))
@@ -60,17 +66,28 @@ class StreamRecorder:
             s = self.streams[(kind, inst)] = _Stream()
         return s
 
-    def access(self, kind: str, inst: int, key: int, size: int, now: float) -> None:
-        if self.sampled(key):
-            s = self._stream(kind, inst)
-            s.keys.append(key)
-            s.vals.append(size)
-            s.times.append(now)
+    def hook(self, kind: str, inst: int, clock) -> Callable[[int, int], None]:
+        """The ``on_event`` of one tier model: records (key, size) uses."""
+        s, limit = self._stream(kind, inst), self._limit
+        keys, vals, times = s.keys, s.vals, s.times
+        if kind == "shared":  # its collector needs the clock
+            def on_event(key: int, size: int) -> None:
+                if (key & _MASK) < limit:
+                    keys.append(key)
+                    vals.append(size)
+                    times.append(clock())
+        else:
+            def on_event(key: int, size: int) -> None:
+                if (key & _MASK) < limit:
+                    keys.append(key)
+                    vals.append(size)
+        return on_event
 
     def query_keys(self, kind: str, inst: int, keys, lo: int, hi: int, now: float) -> None:
         """A kvtier lookup: the tokens of each chunk within [lo, hi) (what the
         engine's own cache missed, up to the last block it must compute)."""
         s = self._stream(kind, inst)
+        limit = self._limit
         pos = 0
         for key, ntok in keys:
             if pos >= hi:
@@ -79,19 +96,21 @@ class StreamRecorder:
             pos += ntok
             if tokens > 0:
                 s.looked_up += tokens
-            if tokens > 0 and self.sampled(key):
-                s.keys.append(key)
-                s.vals.append(-tokens - 1)
-                s.times.append(now)
+                if (key & _MASK) < limit:
+                    s.keys.append(key)
+                    s.vals.append(-tokens - 1)
+                    if kind == "shared":
+                        s.times.append(now)
 
     def query(self, kind: str, inst: int, units, unit_tokens: int, now: float) -> None:
         s = self._stream(kind, inst)
         s.looked_up += len(units) * unit_tokens
+        limit = self._limit
+        v = -unit_tokens - 1
         for u in units:
-            if self.sampled(u):
+            if (u & _MASK) < limit:
                 s.keys.append(u)
-                s.vals.append(-unit_tokens - 1)
-                s.times.append(now)
+                s.vals.append(v)
 
 
 def lookup_distances(keys: list, vals: list) -> tuple[list[float], list[int]]:

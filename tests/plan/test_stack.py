@@ -52,7 +52,7 @@ def test_sampling_keeps_the_curve_close():
     rng = random.Random(3)
     s = _Stream()
     for _ in range(40000):
-        k = int(rng.expovariate(1 / 2000))
+        k = hash((int(rng.expovariate(1 / 2000)), 1))  # keys are hashes, as in the simulator
         s.keys.append(k)
         s.vals.append(-129 if rng.random() < 0.5 else 8192)
         s.times.append(0.0)
