@@ -243,6 +243,9 @@ def handle(args: argparse.Namespace) -> int:
     else:
         rate = float(args.curve_sample)
     cfg = replace(cfg, curve_sample=rate)
+    if trace.meta.get("format") == "mooncake" and cfg.routing == "sticky" and cfg.instances > 1:
+        print("note: Mooncake traces name no sessions: sticky routing sends every request to a random instance",
+              file=sys.stderr)
     progress = _progress(not args.no_progress)
     sim = Simulator(cfg).run(trace, progress("replay", trace.count or 0))
     meta = {"name": trace.name, **{k: v for k, v in trace.meta.items() if k in ("format", "block_tokens", "config", "workload", "path")}}

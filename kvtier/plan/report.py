@@ -33,8 +33,13 @@ KNEE, RECOMMEND = 0.90, 0.95
 def fmt_bytes(n: float) -> str:
     for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if abs(n) >= size:
-            return f"{n / size:.3g} {unit}"
+            v = n / size
+            return f"{v:.0f} {unit}" if v >= 100 else f"{v:.3g} {unit}"
     return f"{n:.0f} B"
+
+
+def fmt_rate(gbps: float) -> str:
+    return f"{gbps:.2f} GB/s" if gbps >= 1 else f"{gbps * 1000:.3g} MB/s"
 
 
 def _pcts(xs) -> dict:
@@ -172,10 +177,14 @@ def _recommend(s: dict) -> dict:
             continue
         io = s["io"].get(kind, {})
         per = s["config"]["instances"] if c["per_instance"] else 1
+        mem = (s.get("curves") or {}).get("memory")
+        # A disk tier only adds what memory (per instance too) cannot hold.
+        covered = kind == "disk" and mem is not None and mem["at_configured"] >= RECOMMEND * c["best"]
         rec[kind] = {
-            "capacity_bytes": c["recommended_bytes"],
+            "capacity_bytes": None if covered else c["recommended_bytes"],
+            "covered_by_memory": covered,
             "per_instance": c["per_instance"],
-            "hit_ratio_at_recommended": None if c["recommended_bytes"] is None else
+            "hit_ratio_at_recommended": None if covered or c["recommended_bytes"] is None else
             _interp(c, c["recommended_bytes"]),
             # Demand of one instance for per-instance tiers, of the mount for the shared one.
             "read_gbps_p99": io.get("read_gbps_p99", 0.0) / per,
@@ -212,8 +221,10 @@ def format_table(s: dict) -> str:
         io = s["io"].get(kind, {})
         knee = fmt_bytes(c["knee_bytes"]) if c.get("knee_bytes") else "-"
         rec = fmt_bytes(c["recommended_bytes"]) if c.get("recommended_bytes") else "-"
-        rd = f"{io['read_gbps_p99']:.2f} GB/s" if io else "-"
-        wr = f"{io['write_gbps_mean']:.2f} GB/s" if io else "-"
+        if (s.get("recommendation") or {}).get(kind, {}).get("covered_by_memory"):
+            rec = "(memory)"
+        rd = fmt_rate(io["read_gbps_p99"]) if io else "-"
+        wr = fmt_rate(io["write_gbps_mean"]) if io else "-"
         capt = fmt_bytes(cap) if cap else "-"
         lines.append(f"{kind:<8}{capt:>12}{100 * s['hit_ratio'].get(kind, 0):>10.1f}%{knee:>12}{rec:>12}{rd:>11}{wr:>11}")
     lines += [f"{'total':<8}{'':>12}{100 * s['hit_ratio']['total']:>10.1f}%", ""]
@@ -255,11 +266,13 @@ def markdown(s: dict, plots: list[str]) -> str:
         scope = " per instance" if kind != "shared" else ""
         knee = fmt_bytes(c["knee_bytes"]) if c.get("knee_bytes") else "-"
         rec = fmt_bytes(r["capacity_bytes"]) + scope if r.get("capacity_bytes") else "-"
+        if r.get("covered_by_memory"):
+            rec = "none: memory holds it"
         there = f"{100 * r['hit_ratio_at_recommended']:.1f}%" if r.get("hit_ratio_at_recommended") is not None else "-"
         per = cfg["instances"] if kind != "shared" else 1
         md.append(f"| {kind} | {fmt_bytes(t['capacity_bytes'])}{scope} | {100 * s['hit_ratio'].get(kind, 0):.1f}% | "
-                  f"{knee} | {rec} | {there} | {io['read_gbps_p99'] / per:.2f} GB/s{scope} | "
-                  f"{io['write_gbps_mean'] / per:.2f} GB/s{scope} |")
+                  f"{knee} | {rec} | {there} | {fmt_rate(io['read_gbps_p99'] / per)}{scope} | "
+                  f"{fmt_rate(io['write_gbps_mean'] / per)}{scope} |")
     md += [
         "",
         f"Engine prefix cache: {100 * s['hit_ratio']['engine']:.1f}% of prompt tokens; kvtier: "
@@ -298,7 +311,8 @@ def markdown(s: dict, plots: list[str]) -> str:
         "shared tier by replaying its access stream at each capacity"
         + (f"; keys sampled at rate {cfg['curve_sample']:g} (SHARDS)" if cfg["curve_sample"] < 1 else "") + ".",
         "- Knee: smallest capacity reaching 90% of the tier's best hit ratio; recommendation: 95%, rounded up to a "
-        "power of two. Bandwidth: bytes read per second of trace time (p99 over busy seconds).",
+        "power of two. Bandwidth: bytes read per second of trace time, p99 over the seconds with reads, for the "
+        "whole fleet (divided by the instances for per-instance tiers); writes: every new chunk written through.",
         "- Not modelled: the answer tokens of a turn being part of the next turn's prompt (a trace gives block ids "
         "of prompts only, so generated chunks are new content), decode time, network contention on the shared mount.",
     ]

@@ -262,6 +262,9 @@ def main(args) -> int:
     if res is None:
         print(f"warning: no results.json beside {req}: measured per-tier hits unknown", file=sys.stderr)
     print(format_rows(rows, model))
+    if getattr(args, "calibrate", None) and Path(args.calibrate).resolve() in (Path(args.validate).resolve(), req.parent.resolve(), req.resolve()):
+        print("\nnote: calibrated on the validated run itself: tier latencies were fitted to these very hits, "
+              "so their TTFT agreement is by construction; calibrate on another run (e.g. W1 for W2)")
     ok = all(r.hits_equal and (r.ttft_ok or math.isnan(r.ttft_ratio)) for r in rows)
     if getattr(args, "json", False):
         print(json.dumps({"ok": ok, "prefill": model.__dict__, "rows": [r.to_json() for r in rows]}, indent=2, default=str))
