@@ -389,6 +389,8 @@ class Injector:
         self._heals: list[tuple[float, callable]] = []
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        self._next: list[int] | None = None
+        self._ns: dict[str, bytes] = {}
         self._thread = threading.Thread(target=self._run, name="soak-faults", daemon=True)
         self._traps: list[tuple[Path, dict]] = []  # outside copies and their snapshot
         self._n = 0
@@ -418,9 +420,10 @@ class Injector:
         while not self._stop.wait(self.rng.expovariate(self.rate) if self.rate > 0 else 3600):
             self.inject_one()
 
-    def inject_one(self) -> None:
-        """One random fault now (from the injector's thread, or between
-        requests by the serving loop); due heals first."""
+    def inject_one(self, kind: str | None = None) -> None:
+        """One fault now, random unless ``kind`` is given (from the
+        injector's thread, or between requests by the serving loop); due
+        heals first."""
         with self._lock:
             now = time.monotonic()
             for item in [h for h in self._heals if h[0] <= now]:
@@ -428,7 +431,8 @@ class Injector:
                 item[1]()
             if not self.kinds:
                 return
-            kind = self.rng.choice(self.kinds)
+            if kind is None or kind not in self.kinds:
+                kind = self.rng.choice(self.kinds)
             try:
                 if getattr(self, "_" + kind.replace("-", "_"))():
                     self.counts[kind] += 1
@@ -446,9 +450,52 @@ class Injector:
                     if not p.parent.is_symlink() and p.is_file() and not p.is_symlink()]
         return out
 
+    def _tier(self) -> str:
+        # Mostly the disk tier: loads ask it before the shared tier, so its
+        # objects are the ones read.
+        return "disk" if self.rng.random() < 0.7 else "shared"
+
     def _pick(self, tier: str | None = None) -> Path | None:
-        objs = self._objects(tier)
+        """An object to damage: half of the time one the next request will
+        ask for (if the tier holds any), else any."""
+        tier = tier or self._tier()
+        objs = self._targets(tier) if self.rng.random() < 0.5 else []
+        objs = objs or self._objects(tier)
         return self.rng.choice(objs) if objs else None
+
+    def target(self, tokens: list[int]) -> None:
+        """The prompt the engine serves next: faults aim at its chunks too."""
+        with self._lock:
+            self._next = tokens
+
+    def _targets(self, tier: str) -> list[Path]:
+        """The objects of the next prompt's full chunks this tier holds. Their
+        names need the namespace digest, which any object's header echoes:
+        tried per namespace folder (reference runs use other salts)."""
+        from kvtier.codec import HEADER_STRUCT_SIZE, parse_header
+        from kvtier.keys import next_key, root_key
+
+        objects = self.dirs[tier] / "store" / "kvtier-v1" / "objects"
+        tokens = self._next or []
+        for folder in sorted(objects.glob("*")):
+            ns = self._ns.get(folder.name)
+            if ns is None:
+                sample = next((p for p in folder.glob("*/*.kvc") if not p.parent.is_symlink() and p.is_file()), None)
+                try:
+                    with open(sample, "rb") as f:
+                        ns = self._ns[folder.name] = parse_header(f.read(HEADER_STRUCT_SIZE)).ns
+                except Exception:  # none yet, or damaged: try again later
+                    continue
+            key, found = root_key(ns), []
+            for start in range(0, len(tokens) - CHUNK + 1, CHUNK):
+                key = next_key(key, tokens[start : start + CHUNK])
+                h = key.digest.hex()
+                p = folder / h[:2] / f"{h}.kvc"
+                if not p.parent.is_symlink() and p.is_file() and not p.is_symlink():
+                    found.append(p)
+            if found:
+                return found
+        return []
 
     def _later(self, seconds: float, heal) -> None:
         self._heals.append((time.monotonic() + seconds, heal))
@@ -501,11 +548,15 @@ class Injector:
         return True
 
     def _swap(self) -> bool:
-        objs = self._objects()
-        if len(objs) < 2:
+        tier = self._tier()
+        b = self._pick(tier)
+        if b is None:
             return False
-        a, b = self.rng.sample(objs, 2)
-        _replace(b, a.read_bytes())  # b's name, a's KV: foreign KV under a valid name
+        size = b.stat().st_size  # same size: same shape, so that only the key check can tell
+        others = [p for p in self._objects(tier) if p != b and p.stat().st_size == size]
+        if not others:
+            return False
+        _replace(b, self.rng.choice(others).read_bytes())  # b's name, another chunk's KV
         return True
 
     def _symlink(self) -> bool:
@@ -671,8 +722,12 @@ def engine_main(spec_path: str, out_path: str) -> int:
     try:
         for tokens in spec["requests"]:
             llm.reset_prefix_cache()  # the prefix comes from kvtier or is recomputed
-            for _ in range(spec["faults_per_request"]):  # besides the thread's, whatever the engine's speed
-                injector.inject_one()
+            injector.target(tokens)
+            for i in range(spec["faults_per_request"]):  # besides the thread's, whatever the engine's speed
+                # Foreign KV under a valid name is what only the key check
+                # stops: half of the time the first fault is a swap (aimed, as
+                # half of all faults are, at a chunk this request asks for).
+                injector.inject_one("swap" if i == 0 and rng.random() < 0.5 else None)
             if rng.random() < 0.5:
                 _empty_memory_tiers(runtime)
                 drops += 1
