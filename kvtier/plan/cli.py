@@ -115,6 +115,8 @@ def register(subparsers) -> argparse.ArgumentParser:
                    "fit the prefill model to its recompute TTFTs and each tier's latency to its hits")
     g.add_argument("--prefill", help="prefill model a,b,c: seconds = a*n + b*n^2 + c")
     g.add_argument("--copy-gbps", type=float, help="copy of loaded chunks into engine blocks, GB/s (default 8)")
+    g.add_argument("--decode-ms-per-token", type=float, default=0.0,
+                   help="time a request keeps its engine blocks per output token after its prefill (default 0)")
 
     g = p.add_argument_group("output")
     g.add_argument("--out", help="write report.md, summary.json and plots here")
@@ -201,6 +203,7 @@ def build_config(args, trace_units: int):
     return PlanConfig(model=model, tiers=tuple(tiers), chunk_tokens=args.chunk_tokens, block_tokens=args.block_tokens,
                       engine_blocks=engine_blocks, instances=args.instances, routing=args.routing, seed=args.seed,
                       prefill=prefill, copy_gbps=args.copy_gbps or cost.DEFAULT_COPY_GBPS,
+                      decode_s_per_token=args.decode_ms_per_token / 1000,
                       promote=not args.no_promote)
 
 

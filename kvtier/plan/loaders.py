@@ -145,6 +145,7 @@ def kvtier_request(r: dict, unit_tokens: int, t0: float = 0.0) -> Request:
         id=str(r.get("id", "")),
         phase=str(r.get("phase", "")),
         output_key=out_key,
+        t_done=t0 + float(r["t_done"]) if r.get("t_done") is not None else None,
         ttft_s=r.get("ttft_s"),
         cached_tokens=r.get("cached_tokens"),
         extra={k: r[k] for k in ("workload", "config", "queue_s", "t_done", "t_first") if k in r},

@@ -27,6 +27,7 @@ Keys are ints; sizes are bytes (tiers) or blocks (engine).
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from typing import Callable, Iterable, Sequence
 
@@ -152,45 +153,78 @@ class SharedModel:
 
 
 class EngineModel:
-    """vLLM's prefix cache over blocks (``capacity`` blocks, the null block excluded)."""
+    """vLLM's prefix cache over blocks (``capacity`` blocks, the null block excluded).
 
-    __slots__ = ("capacity", "free", "evictions", "on_event")
+    A running request holds its blocks (its full blocks stay findable by
+    other requests: vLLM shares them); when it finishes, its full blocks go
+    to the free queue in reverse order (the tail is evicted first) and its
+    partial last block is freed uncached. A new request takes blocks from
+    the cold end of the free queue."""
+
+    __slots__ = ("capacity", "free", "pinned", "extra", "running", "evictions", "on_event", "_seq")
 
     def __init__(self, capacity_blocks: int, on_event: Callable[[int, int], None] | None = None):
         self.capacity = capacity_blocks
-        self.free: OrderedDict[int, None] = OrderedDict()  # cached blocks, coldest first
+        self.free: OrderedDict[int, None] = OrderedDict()  # cached, unused blocks, coldest first
+        self.pinned: dict[int, int] = {}  # cached blocks of running requests -> how many hold them
+        self.extra = 0  # blocks running requests hold beyond their full blocks
+        self.running: list = []  # heap of (finish, seq, full blocks, extra)
         self.evictions = 0
         self.on_event = on_event
+        self._seq = 0
+
+    def release(self, now: float) -> None:
+        """Finish every request whose finish time has come."""
+        running, free, pinned = self.running, self.free, self.pinned
+        while running and running[0][0] <= now:
+            _, _, blocks, extra = heapq.heappop(running)
+            self.extra -= extra
+            for u in reversed(blocks):
+                n = pinned.get(u, 0) - 1
+                if n > 0:
+                    pinned[u] = n
+                    continue
+                pinned.pop(u, None)
+                free[u] = None
+                free.move_to_end(u)
+        while free and len(free) + len(pinned) + self.extra > self.capacity:
+            free.popitem(last=False)
+            self.evictions += 1
 
     def match(self, units: Sequence[int], limit: int) -> int:
         """Leading blocks of ``units[:limit]`` held (no state change)."""
         n = 0
-        free = self.free
+        free, pinned = self.free, self.pinned
         for u in units[:limit]:
-            if u not in free:
+            if u not in free and u not in pinned:
                 break
             n += 1
         return n
 
-    def run(self, hit: Sequence[int], blocks: Iterable[int], needed: int) -> None:
+    def run(self, hit: Sequence[int], blocks: Iterable[int], needed: int, finish: float | None = None) -> None:
         """Serve a request: its ``hit`` blocks are reused, ``needed`` blocks in
-        all are held while it runs, then every full block (``blocks``, in
-        order) is cached, the tail first in line for eviction."""
-        free = self.free
+        all are held until ``finish`` (None: at once), its full ``blocks`` (in
+        order) cached."""
+        free, pinned = self.free, self.pinned
+        blocks = list(blocks)
         for u in hit:
             free.pop(u, None)
+            pinned[u] = pinned.get(u, 0) + 1
+        new = [u for u in blocks[len(hit):]]
         # Taking new blocks evicts cached blocks of finished requests, coldest first.
-        while free and len(free) + needed > self.capacity:
+        extra = max(0, needed - len(blocks))
+        while free and len(free) + len(pinned) + self.extra + len(new) + extra > self.capacity:
             free.popitem(last=False)
             self.evictions += 1
-        # Freed in reverse order: the first block ends up the most recent.
-        for u in reversed(list(blocks)):
-            if u in free:  # another request's copy of the same content
-                free.move_to_end(u)
-            else:
-                free[u] = None
-            if self.on_event is not None:
+        for u in new:
+            if u in free:  # the same content, cached by another request
+                del free[u]
+            pinned[u] = pinned.get(u, 0) + 1
+        if self.on_event is not None:
+            for u in reversed(blocks):
                 self.on_event(u, 1)
-        while len(free) > self.capacity:
-            free.popitem(last=False)
-            self.evictions += 1
+        self.extra += extra
+        self._seq += 1
+        heapq.heappush(self.running, (finish if finish is not None else float("-inf"), self._seq, blocks, extra))
+        if finish is None:
+            self.release(float("-inf"))

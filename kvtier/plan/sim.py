@@ -16,7 +16,10 @@ Per request, in the order the vLLM connector does it
 4. Saves: every full chunk past kvtier's hit, the prompt's whole-block tail
    at the end of prefill, then full chunks as decoding fills them. A save
    stores into memory and writes through to every lower tier.
-5. The engine caches the request's full blocks.
+5. The engine holds the request's blocks until it finishes (the time the log
+   measured, or its prefill's end plus ``decode_s_per_token`` per output
+   token), other requests can share them meanwhile; then its full blocks
+   join the free queue.
 
 Time: each instance serves prefills one at a time in arrival order (decode
 steps are batched with them and not charged). TTFT = wait + load + prefill of
@@ -72,6 +75,7 @@ class PlanConfig:
     seed: int = 0
     prefill: PrefillModel = PrefillModel()
     copy_gbps: float = DEFAULT_COPY_GBPS
+    decode_s_per_token: float = 0.0   # how long a request holds its engine blocks after its first token
     promote: bool = True
     curve_sample: float = 1.0         # fraction of keys the capacity curves follow (SHARDS); 0: no curves
 
@@ -218,8 +222,12 @@ class Simulator:
         usable_blocks = min((P - 1) // bs, n_prompt)
         usable = usable_blocks * bs
 
-        # 1. engine prefix cache
+        # 1. engine prefix cache, as it stands when the instance takes the
+        # request (prefills are served one at a time, in arrival order)
+        start = max(r.t, inst.busy)
         engine = inst.engine
+        if engine is not None:
+            engine.release(start)
         local_blocks = engine.match(units, usable_blocks) if engine is not None else 0
         if engine is not None and self.recorder is not None:
             self.recorder.query("engine", inst.idx, units[:usable_blocks], bs, self.now)
@@ -233,9 +241,9 @@ class Simulator:
         tiers = store.tiers
         if tiers and usable > computed:
             keys = []
-            for start in range(0, n_prompt, k):
-                end = min(start + k, n_prompt)
-                keys.append((hash((units[end - 1], end - start)), (end - start) * bs))
+            for first in range(0, n_prompt, k):
+                end = min(first + k, n_prompt)
+                keys.append((hash((units[end - 1], end - first)), (end - first) * bs))
             if self.recorder is not None:
                 for kind, _ in tiers:
                     self.recorder.query_keys(kind, inst.idx if kind != "shared" else 0, keys, computed, usable,
@@ -306,15 +314,15 @@ class Simulator:
                 c += 1
             store.put(saves)
 
-        # 5. the engine keeps the request's full blocks
-        if engine is not None:
-            engine.run(units[:local_blocks], units + out_units, -(-(P + O) // bs))
-
         # time
         pf = cfg.prefill
         service = load_s + pf.seconds(P, computed)
-        start = max(r.t, inst.busy)
         inst.busy = start + service
+
+        # 5. the engine holds the request's blocks until it finishes, then caches its full blocks
+        if engine is not None:
+            finish = r.t_done if r.t_done is not None else start + service + O * cfg.decode_s_per_token
+            engine.run(units[:local_blocks], units + out_units, -(-(P + O) // bs), finish)
         base_service = pf.seconds(P, local_blocks * bs)
         bstart = max(r.t, inst.busy_base)
         inst.busy_base = bstart + base_service

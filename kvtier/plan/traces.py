@@ -47,6 +47,7 @@ class Request:
     id: str = ""
     phase: str = ""
     output_key: int | None = None
+    t_done: float | None = None   # measured: when it finished (the engine held its blocks until then)
     ttft_s: float | None = None   # measured
     cached_tokens: int | None = None  # measured (vLLM's num_cached_tokens)
     extra: dict = field(default_factory=dict)

@@ -113,3 +113,20 @@ def test_a_chat_log_hashed_per_chunk_replays_like_one_hashed_per_engine_block():
     b = Simulator(_cfg([("memory", GiB), ("disk", GiB)], engine_blocks=12)).run(coarse).totals
     assert a.tier_tokens == b.tier_tokens and a.engine_tokens == b.engine_tokens
     assert a.tier_tokens["memory"] > 0
+
+
+def test_a_running_request_keeps_its_engine_blocks_until_it_finishes():
+    from kvtier.plan.models import EngineModel
+
+    def replay(a_finish):
+        e = EngineModel(12)
+        a, b = [1, 2, 3, 4], [11, 12, 13, 14, 15, 16, 17, 18]
+        e.release(0.0)
+        e.run([], a, 5, a_finish)   # A: 4 full blocks and a partial one
+        e.release(1.0)
+        e.run([], b, 9, 5.0)        # B starts while A runs
+        e.release(11.0)
+        return e.match(a, 4)        # A's next turn
+
+    assert replay(10.0) == 4  # held while running, then the most recent in the free queue
+    assert replay(None) == 3  # freed at once: B's allocation evicts A's tail block
