@@ -158,9 +158,13 @@ def build_config(args, trace_units: int):
     from kvtier.plan import cost
     from kvtier.plan.sim import PlanConfig, TierPlan
 
-    if args.model not in PRESETS:
-        raise ConfigError("--model", f"unknown model preset {args.model!r}", f"use one of: {', '.join(PRESETS)}")
-    model = PRESETS[args.model]
+    from kvtier.bench.tinymodels import PRESETS as TINY
+
+    if args.model not in PRESETS and args.model not in TINY:
+        raise ConfigError("--model", f"unknown model preset {args.model!r}", f"use one of: {', '.join([*PRESETS, *TINY])}")
+    from kvtier.plan.validate import model_shape
+
+    model = model_shape(args.model)
     io = dict(cost.DEFAULT_IO)
     if args.storage_json:
         io = cost.io_from_storage_json(args.storage_json, io)
@@ -246,6 +250,9 @@ def handle(args: argparse.Namespace) -> int:
     else:
         rate = float(args.curve_sample)
     cfg = replace(cfg, curve_sample=rate)
+    if trace.meta.get("runs", 1) > 1:
+        print(f"note: {trace.name} holds {trace.meta['runs']} runs of configuration {trace.meta['config']!r} "
+              f"(cases, rounds); replaying the first (case {trace.meta['case']!r})", file=sys.stderr)
     if trace.meta.get("format") == "mooncake" and cfg.routing == "sticky" and cfg.instances > 1:
         print("note: Mooncake traces name no sessions: sticky routing sends every request to a random instance",
               file=sys.stderr)

@@ -191,6 +191,12 @@ def load_kvtier_log(path: Path, unit_tokens: int, config: str | None = None, lim
         raise ConfigError("--config", f"{path} has no records of configuration {config!r}",
                           f"use one of: {', '.join(str(c) for c in configs)}")
     recs = [r for r in recs if r.get("config") == config]
+    # A bench run's cases (context lengths) and rounds ran in fresh engines
+    # on empty stores: replay one of them, the first.
+    runs = list(dict.fromkeys((r.get("case"), r.get("round")) for r in recs))
+    case = runs[0] if runs else (None, None)
+    if len(runs) > 1:
+        recs = [r for r in recs if (r.get("case"), r.get("round")) == case]
     phases = list(dict.fromkeys(r.get("phase", "") for r in recs))
     reqs: list[Request] = []
     t0 = 0.0
@@ -203,4 +209,4 @@ def load_kvtier_log(path: Path, unit_tokens: int, config: str | None = None, lim
         reqs = reqs[:limit]
     workload = next((r.get("workload") for r in recs if r.get("workload")), None)
     return Trace.of(Path(path).name, unit_tokens, reqs, format="kvtier", config=config, workload=workload,
-                    configs=configs, path=str(path))
+                    configs=configs, case=case[0], runs=len(runs), path=str(path))
