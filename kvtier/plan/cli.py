@@ -155,10 +155,9 @@ def _progress(enabled: bool):
 
 def build_config(args, trace_units: int):
     from kvtier.bench.models import PRESETS
+    from kvtier.bench.tinymodels import PRESETS as TINY
     from kvtier.plan import cost
     from kvtier.plan.sim import PlanConfig, TierPlan
-
-    from kvtier.bench.tinymodels import PRESETS as TINY
 
     if args.model not in PRESETS and args.model not in TINY:
         raise ConfigError("--model", f"unknown model preset {args.model!r}", f"use one of: {', '.join([*PRESETS, *TINY])}")

@@ -20,9 +20,10 @@ Formats (JSON Lines, one request per line):
 
 from __future__ import annotations
 
+import itertools
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from kvtier.errors import ConfigError
 from kvtier.plan.traces import ROOT, Request, Trace, to_units
@@ -167,7 +168,7 @@ def _fill_tails(reqs: list[Request], unit_tokens: int) -> None:
         by_session.setdefault(r.session, []).append(r)
     for turns in by_session.values():
         turns.sort(key=lambda r: (r.turn, r.t))
-        for a, b in zip(turns, turns[1:]):
+        for a, b in itertools.pairwise(turns):
             n = a.prompt_tokens // unit_tokens
             if len(a.units) < n <= len(b.units) and b.prompt_tokens >= a.prompt_tokens \
                     and b.units[: len(a.units)] == a.units:

@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 
 class LRUModel:
-    __slots__ = ("capacity", "used", "entries", "evictions", "on_event")
+    __slots__ = ("capacity", "entries", "evictions", "on_event", "used")
 
     def __init__(self, capacity: int, on_event: Callable[[int, int], None] | None = None):
         self.capacity = capacity
@@ -78,8 +78,20 @@ class SharedModel:
     way the file system breaks them (the later write is newer), so the
     collector pops from the front instead of sorting."""
 
-    __slots__ = ("capacity", "high", "low", "touch_interval_s", "gc_interval_s", "used", "stamps", "sizes",
-                 "last_gc", "evictions", "gc_passes", "on_event")
+    __slots__ = (
+        "capacity",
+        "evictions",
+        "gc_interval_s",
+        "gc_passes",
+        "high",
+        "last_gc",
+        "low",
+        "on_event",
+        "sizes",
+        "stamps",
+        "touch_interval_s",
+        "used",
+    )
 
     def __init__(self, capacity: int, high_watermark: float = 0.95, low_watermark: float = 0.85,
                  touch_interval_s: float = 60.0, gc_interval_s: float = 60.0,
@@ -161,7 +173,7 @@ class EngineModel:
     partial last block is freed uncached. A new request takes blocks from
     the cold end of the free queue."""
 
-    __slots__ = ("capacity", "free", "pinned", "extra", "running", "evictions", "on_event", "_seq")
+    __slots__ = ("_seq", "capacity", "evictions", "extra", "free", "on_event", "pinned", "running")
 
     def __init__(self, capacity_blocks: int, on_event: Callable[[int, int], None] | None = None):
         self.capacity = capacity_blocks

@@ -205,8 +205,8 @@ def _interp(c: dict, x: float) -> float:
 def format_table(s: dict) -> str:
     cfg, tr = s["config"], s["trace"]
     lines = [
-        f"kvtier plan: {tr.get('name', '')} ({tr.get('format', '?')}), {tr['requests']} requests, "
-        f"{tr['prompt_tokens'] / 1e6:.2f} M prompt tokens over {tr['duration_s']:.0f} s",
+        (f"kvtier plan: {tr.get('name', '')} ({tr.get('format', '?')}), {tr['requests']} requests, "
+        f"{tr['prompt_tokens'] / 1e6:.2f} M prompt tokens over {tr['duration_s']:.0f} s"),
         f"model {cfg['model']} ({fmt_bytes(cfg['bytes_per_token'])}/token), chunks of {cfg['chunk_tokens']} tokens, "
         f"{cfg['instances']} instance(s), routing {cfg['routing']}, engine KV "
         + (fmt_bytes(cfg["engine_kv_bytes"]) if cfg["engine_blocks"] else "without prefix cache"),
@@ -275,8 +275,8 @@ def markdown(s: dict, plots: list[str]) -> str:
                   f"{fmt_rate(io['write_gbps_mean'] / per)}{scope} |")
     md += [
         "",
-        f"Engine prefix cache: {100 * s['hit_ratio']['engine']:.1f}% of prompt tokens; kvtier: "
-        f"{100 * s['hit_ratio']['kvtier']:.1f}%; together {100 * s['hit_ratio']['total']:.1f}%.",
+        (f"Engine prefix cache: {100 * s['hit_ratio']['engine']:.1f}% of prompt tokens; kvtier: "
+        f"{100 * s['hit_ratio']['kvtier']:.1f}%; together {100 * s['hit_ratio']['total']:.1f}%."),
         "",
         "## Time to first token and throughput",
         "",
@@ -296,25 +296,25 @@ def markdown(s: dict, plots: list[str]) -> str:
         "",
         "## How these figures were made",
         "",
-        "- Every request of the trace was replayed through a model of the engine's prefix cache and of kvtier's "
+        ("- Every request of the trace was replayed through a model of the engine's prefix cache and of kvtier's "
         "tiers with kvtier's own policies: memory and disk LRU by bytes, promotion into memory of what a lower tier "
         "serves, write-through of every new chunk to every tier, the shared tier's watermark collector "
-        f"(`kvtier/plan/`). The models are checked against the real tiers by `tests/plan/`.",
+        "(`kvtier/plan/`). The models are checked against the real tiers by `tests/plan/`."),
         f"- Prefill cost `a*n + b*n^2 + c` with a={pf['a']:.3g} s/token, b={pf['b']:.3g} s/token^2, c={pf['c']:.3g} s "
         f"({pf['source']}); a hit computes only the uncached tokens against the cached context. Loads: per tier "
         "`latency + bytes / bandwidth` (" + ", ".join(f"{t['kind']} {t['gbps']:g} GB/s" for t in cfg["tiers"])
         + f"), plus the copy into engine blocks at {cfg['copy_gbps']:g} GB/s.",
-        "- Each instance serves prefills one at a time in arrival order; decode steps are not charged. Throughput is "
-        "prefill-bound capacity: requests per second of busy engine time.",
+        ("- Each instance serves prefills one at a time in arrival order; decode steps are not charged. Throughput is "
+        "prefill-bound capacity: requests per second of busy engine time."),
         "- Curves: share of prompt tokens whose chunk a tier would hold at lookup with a given capacity (per instance "
         "for memory and disk), the rest of the stack as configured; LRU tiers by stack distances in one pass, the "
         "shared tier by replaying its access stream at each capacity"
         + (f"; keys sampled at rate {cfg['curve_sample']:g} (SHARDS)" if cfg["curve_sample"] < 1 else "") + ".",
-        "- Knee: smallest capacity reaching 90% of the tier's best hit ratio; recommendation: 95%, rounded up to a "
+        ("- Knee: smallest capacity reaching 90% of the tier's best hit ratio; recommendation: 95%, rounded up to a "
         "power of two. Bandwidth: bytes read per second of trace time, p99 over the seconds with reads, for the "
-        "whole fleet (divided by the instances for per-instance tiers); writes: every new chunk written through.",
-        "- Not modelled: the answer tokens of a turn being part of the next turn's prompt (a trace gives block ids "
-        "of prompts only, so generated chunks are new content), decode time, network contention on the shared mount.",
+        "whole fleet (divided by the instances for per-instance tiers); writes: every new chunk written through."),
+        ("- Not modelled: the answer tokens of a turn being part of the next turn's prompt (a trace gives block ids "
+        "of prompts only, so generated chunks are new content), decode time, network contention on the shared mount."),
     ]
     return "\n".join(md) + "\n"
 

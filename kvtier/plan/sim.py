@@ -34,11 +34,11 @@ from __future__ import annotations
 import itertools
 import random
 from array import array
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
 
 from kvtier.bench.models import ModelShape
-from kvtier.plan.cost import DEFAULT_COPY_GBPS, DEFAULT_IO, PrefillModel, TierIO
+from kvtier.plan.cost import DEFAULT_COPY_GBPS, PrefillModel, TierIO
 from kvtier.plan.models import EngineModel, LRUModel, SharedModel
 from kvtier.plan.stack import StreamRecorder
 from kvtier.plan.storemodel import StoreModel
@@ -73,7 +73,7 @@ class PlanConfig:
     instances: int = 1
     routing: str = "sticky"
     seed: int = 0
-    prefill: PrefillModel = PrefillModel()
+    prefill: PrefillModel = field(default_factory=PrefillModel)
     copy_gbps: float = DEFAULT_COPY_GBPS
     decode_s_per_token: float = 0.0   # how long a request holds its engine blocks after its first token
     promote: bool = True
@@ -350,7 +350,7 @@ class Simulator:
             self.outcomes.append(out)
         return out
 
-    def run(self, requests: Iterable[Request], tick: Callable[[int], None] | None = None) -> "Simulator":
+    def run(self, requests: Iterable[Request], tick: Callable[[int], None] | None = None) -> Simulator:
         n = 0
         for r in requests:
             self.step(r)

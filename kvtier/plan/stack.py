@@ -28,8 +28,8 @@ whose hash falls under the rate are followed and distances are scaled by
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from kvtier.plan.models import LRUModel, SharedModel
 

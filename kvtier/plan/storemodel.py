@@ -9,7 +9,7 @@ objects (the trace's clock in a simulation).
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from kvtier.plan.models import LRUModel, SharedModel
 

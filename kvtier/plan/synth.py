@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator
 
 from kvtier.bench.workloads import ChatShape, Workload, hash_ids
 
@@ -43,7 +43,7 @@ class SynthShape:
     seed: int = 0
 
     @staticmethod
-    def from_chat(shape: ChatShape, **kw) -> "SynthShape":
+    def from_chat(shape: ChatShape, **kw) -> SynthShape:
         """The shape of bench workload W2 (one system prompt)."""
         return SynthShape(sessions=shape.sessions, turns=shape.turns, system_prompts=1,
                           system_tokens=shape.system_tokens, user_tokens=shape.user_tokens,
@@ -52,7 +52,7 @@ class SynthShape:
 
 
 def _loguniform(rng: random.Random, lo: int, hi: int) -> int:
-    return int(round(lo * (hi / lo) ** rng.random())) if hi > lo else lo
+    return round(lo * (hi / lo) ** rng.random()) if hi > lo else lo
 
 
 def synth(shape: SynthShape, block_tokens: int = 16) -> list[dict]:
@@ -106,7 +106,7 @@ def to_mooncake(records: list[dict], block_tokens: int = 512, source_block_token
         for i in range(0, len(rec["hash_ids"]), r_):
             key = hash((key, tuple(rec["hash_ids"][i:i + r_])))
             hs.append(ids.setdefault(key, len(ids)))
-        out.append({"timestamp": int(round(rec["timestamp"] * 1000)), "input_length": rec["input_length"],
+        out.append({"timestamp": round(rec["timestamp"] * 1000), "input_length": rec["input_length"],
                     "output_length": rec["output_length"], "hash_ids": hs})
     return out
 
@@ -115,8 +115,7 @@ def write_jsonl(records, path: str | Path) -> Path:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     with open(p, "w") as f:
-        for r in records:
-            f.write(json.dumps(r, separators=(", ", ": ")) + "\n")
+        f.writelines(json.dumps(r, separators=(", ", ": ")) + "\n" for r in records)
     return p
 
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Sequence
 
 ROOT = 0x6B7674696572  # "kvtier": chain state before the first block
 
@@ -72,7 +72,7 @@ class Trace:
         return self.open()
 
     @staticmethod
-    def of(name: str, unit_tokens: int, requests: Sequence[Request], **meta) -> "Trace":
+    def of(name: str, unit_tokens: int, requests: Sequence[Request], **meta) -> Trace:
         reqs = list(requests)
         return Trace(name, unit_tokens, lambda: iter(reqs), len(reqs), dict(meta))
 

@@ -31,7 +31,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtier.bench.models import PRESETS as SHAPES, ModelShape
+from kvtier.bench.models import PRESETS as SHAPES
+from kvtier.bench.models import ModelShape
 from kvtier.errors import ConfigError
 from kvtier.plan import cost
 from kvtier.plan.loaders import load_kvtier_log
@@ -113,7 +114,8 @@ def calibrate_run(path: str | Path, io: dict | None = None) -> tuple[cost.Prefil
     TTFT minus the law's prefill of the uncached tokens, the bytes over the
     tier's bandwidth and the copy into engine blocks."""
     req, _ = find(Path(path)) if Path(path).is_dir() else (Path(path), None)
-    records = [json.loads(line) for line in open(req) if line.strip()]
+    with open(req) as f:
+        records = [json.loads(line) for line in f if line.strip()]
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in records:
         groups[(r.get("config"), str(r.get("case", "")), r.get("round", 0))].append(r)
@@ -167,7 +169,8 @@ def _measured_phases(recs: list[dict]) -> set[str]:
 
 def run_validation(requests_path: Path, results_path: Path | None, prefill: cost.PrefillModel | None = None,
                    io: dict | None = None) -> tuple[list[Row], cost.PrefillModel]:
-    records = [json.loads(line) for line in open(requests_path) if line.strip()]
+    with open(requests_path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
     results = json.loads(results_path.read_text()) if results_path else {}
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in records:
@@ -226,8 +229,8 @@ def _median(xs: list[float]) -> float:
 
 def format_rows(rows: list[Row], prefill: cost.PrefillModel) -> str:
     lines = [f"prefill model: {prefill.a:.4g}*n + {prefill.b:.4g}*n^2 + {prefill.c:.3g} s ({prefill.source})", "",
-             f"{'workload':<9}{'case':>6}  {'configuration':<18}{'kvtier hit tokens: measured / simulated':<42}"
-             f"{'engine m/s':>17}{'TTFT p50 m / s':>20}{'ratio':>7}  verdict"]
+             (f"{'workload':<9}{'case':>6}  {'configuration':<18}{'kvtier hit tokens: measured / simulated':<42}"
+             f"{'engine m/s':>17}{'TTFT p50 m / s':>20}{'ratio':>7}  verdict")]
     lines.append("-" * len(lines[-1]))
     for r in rows:
         tiers = sorted(set(r.measured_hits) | set(r.predicted_hits))

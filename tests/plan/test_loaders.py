@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.bench.workloads import w2, ChatShape
+from kvtier.bench.workloads import ChatShape, w2
 from kvtier.errors import ConfigError
 from kvtier.keys import Namespace, chunk_keys
 from kvtier.plan import loaders

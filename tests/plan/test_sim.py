@@ -89,7 +89,7 @@ def test_sticky_routing_keeps_sessions_on_one_instance_random_does_not():
     for o, r in zip(sticky.outcomes, reqs):
         by.setdefault(r.session, set()).add(o.instance)
     assert all(len(v) == 1 for v in by.values()) and len({i for v in by.values() for i in v}) > 1
-    hits = lambda s: s.totals.engine_tokens + sum(s.totals.tier_tokens.values())  # noqa: E731
+    hits = lambda s: s.totals.engine_tokens + sum(s.totals.tier_tokens.values())
     assert hits(sticky) > hits(rand)
     # A shared tier serves what a random router sends elsewhere.
     shared = Simulator(_cfg([("memory", GiB), ("shared", 8 * GiB)], instances=4, routing="random")).run(reqs)

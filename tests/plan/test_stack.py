@@ -7,7 +7,14 @@ import random
 import pytest
 
 from kvtier.plan.models import SharedModel
-from kvtier.plan.stack import StreamRecorder, _Stream, lookup_distances, lru_curve, lru_replay, shared_curve
+from kvtier.plan.stack import (
+    StreamRecorder,
+    _Stream,
+    lookup_distances,
+    lru_curve,
+    lru_replay,
+    shared_curve,
+)
 
 
 def _stream(seed: int, n: int = 3000, keys: int = 300) -> _Stream:
@@ -82,7 +89,7 @@ def test_shared_curve_is_a_replay_of_the_collector():
         s.keys.append(k)
         s.times.append(t)
         s.vals.append(8192 if kind < 0.5 else (-1 if kind < 0.7 else -17))
-    args = dict(high_watermark=0.9, low_watermark=0.7, touch_interval_s=10.0, gc_interval_s=30.0)
+    args = {"high_watermark": 0.9, "low_watermark": 0.7, "touch_interval_s": 10.0, "gc_interval_s": 30.0}
     caps = [50 * 8192, 150 * 8192, 400 * 8192]
     total = sum(-v - 1 for v in s.vals if v < -1)
     got = shared_curve([s], caps, 1.0, total, args)
