@@ -29,6 +29,7 @@ from kvtier.errors import ConfigError
 from kvtier.plan.traces import ROOT, Request, Trace, to_units
 
 FORMATS = ("mooncake", "bailian", "kvtier")
+_OUT = 0x6F7574  # tags are ints: hashes of int tuples do not depend on PYTHONHASHSEED
 BLOCK_TOKENS = {"mooncake": 512, "bailian": 16}
 
 
@@ -134,7 +135,7 @@ def kvtier_request(r: dict, unit_tokens: int, t0: float = 0.0) -> Request:
     bt = int(r.get("block_tokens", 256))
     n_in = int(r["prompt_tokens"])
     out = r.get("output")
-    out_key = hash(("out", tuple(out))) if out else None
+    out_key = hash((_OUT, tuple(out))) if out else None
     return Request(
         t=t0 + float(r["t_send"]),
         units=to_units(r["hash_ids"], bt, n_in, unit_tokens, salt=ROOT),

@@ -45,6 +45,9 @@ from kvtier.plan.storemodel import StoreModel
 from kvtier.plan.traces import Request
 
 KINDS = ("memory", "disk", "shared")
+# Tags of ids the simulator makes up: ints, so that runs are reproducible
+# (hashes of int tuples do not depend on PYTHONHASHSEED; of strings they do).
+_GAP, _FRESH = 0x676170, 0x667265
 ROUTINGS = ("sticky", "random", "trace")
 
 
@@ -213,10 +216,10 @@ class Simulator:
         n_prompt = P // bs
         units = list(r.units[:n_prompt])
         while len(units) < n_prompt:  # blocks the trace does not name: content of its own
-            units.append(hash(("gap", next(self._fresh))))
+            units.append(hash((_GAP, next(self._fresh))))
         # Units of generated tokens (and of the prompt's partial tail block).
         n_final = (P + O - 1) // bs
-        okey = r.output_key if r.output_key is not None else hash(("fresh", next(self._fresh)))
+        okey = r.output_key if r.output_key is not None else hash((_FRESH, next(self._fresh)))
         prev = units[-1] if units else 0
         out_units = [hash((prev, okey, P, j)) for j in range(n_final - n_prompt)]
         usable_blocks = min((P - 1) // bs, n_prompt)
