@@ -150,10 +150,10 @@ def test_a_hanging_shared_directory_costs_bounded_time_then_is_skipped(tmp_path,
         calls = hang.blocked
         for _ in range(5):  # skipped: no call reaches the hanging backend
             n, took = _request(store, keys)
-            assert n == 0 and took < 0.05
+            assert n == 0 and took < 0.2  # (microseconds, but this machine is shared)
             t0 = time.monotonic()
             _save(store, other)  # never blocks the caller
-            assert time.monotonic() - t0 < 0.05
+            assert time.monotonic() - t0 < 0.2
         assert hang.blocked == calls
         dropped = sum(metrics.value("kvtier_dropped_saves_total", tier="shared", reason=r)
                       for r in ("breaker_open", "queue_full"))

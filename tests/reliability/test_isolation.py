@@ -149,9 +149,11 @@ def _probe(store: TieredStore, keys) -> float:
 
 PROBES = 300
 # Two samples of 300 from one distribution exceed a KS distance of 0.2 with
-# probability ~1e-5; the control (a real hit vs a real miss) measures ~1.
+# probability ~1e-5; the control (a real hit vs a real miss) measured 0.78-0.87
+# here. Probes are interleaved at random, so machine noise cannot tell the
+# two samples apart; it only pulls the control down.
 KS_SAME = 0.2
-KS_CONTROL = 0.5
+KS_CONTROL = 0.4
 
 
 def test_another_tenants_prefix_does_not_show_in_lookup_timing(tmp_path):
