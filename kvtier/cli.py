@@ -284,6 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--dir", help="directory on the storage to measure (created; objects are kept for reruns)")
     where.add_argument(
         "--tier",
+        metavar="URL",
         help="a network tier to measure instead, as a tier URL: redis://HOST:PORT or "
         "s3://BUCKET/PREFIX?endpoint=URL (fio is skipped; objects are kept for reruns; "
         "credentials: prefer the environment, see docs/deploy.md)",
