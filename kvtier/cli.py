@@ -82,7 +82,11 @@ def cmd_bench_storage(args: argparse.Namespace) -> int:
         memory_bytes=args.memory,
         io_threads=args.io_threads,
     )
-    result = storage.run(cfg, progress=_progress_factory(not args.no_progress))
+    try:
+        result = storage.run(cfg, progress=_progress_factory(not args.no_progress))
+    except storage.StorageBenchError as exc:
+        print(f"kvtier bench storage: {exc}", file=sys.stderr)
+        return 1
     print(storage.format_table(result))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -41,6 +41,11 @@ MiB = 1 << 20
 GiB = 1 << 30
 
 
+class StorageBenchError(RuntimeError):
+    """The benchmark could not run: storage trouble or missing data (the
+    message says which; the tier's log lines say why)."""
+
+
 @dataclass(frozen=True)
 class StorageBenchConfig:
     directory: Path | None = None  # a directory to measure (fio + the shared tier) ...
@@ -95,11 +100,11 @@ def _populate(tier, sessions: list[list[ChunkKey]], cfg: StorageBenchConfig, pro
         while len(pending) > 2:  # bound memory: at most a few sessions in flight
             f, n = pending.pop(0)
             if f.result() != n:
-                raise RuntimeError(f"could not write benchmark data to {where} (full, or unreachable? see the log)")
+                raise StorageBenchError(f"could not write benchmark data to {where} (full, or unreachable? see the log)")
             tick(n)
     for f, n in pending:
         if f.result() != n:
-            raise RuntimeError(f"could not write benchmark data to {where} (full, or unreachable? see the log)")
+            raise StorageBenchError(f"could not write benchmark data to {where} (full, or unreachable? see the log)")
         tick(n)
     return total
 
@@ -184,7 +189,7 @@ def run(cfg: StorageBenchConfig, progress: Progress = _no_progress, log: Callabl
                     n = store.load(keys, bufs[: len(keys)])
                     per_load[window].append(time.perf_counter() - s0)
                     if n != len(keys):
-                        raise RuntimeError(f"cold load served {n} of {len(keys)} chunks: storage trouble, see the log")
+                        raise StorageBenchError(f"cold load served {n} of {len(keys)} chunks: storage trouble, see the log")
                     nbytes += sum(bufs[i].nbytes for i in range(n))
                     tick(1)
                 cold_runs[window].append(nbytes / (time.perf_counter() - t0) / 1e9)
@@ -232,12 +237,12 @@ def _memory_bench(cfg, sessions, lower: TierSpec, bufs, progress) -> dict:
             if used + size > budget:
                 break
             if store.load(keys, bufs[: len(keys)]) != len(keys):  # promotes into memory
-                raise RuntimeError("could not read benchmark data back")
+                raise StorageBenchError("could not read benchmark data back")
             picked.append(keys)
             used += size
         mem = store.tier("memory")
         if any(mem.lookup(k) != len(k) for k in picked):
-            raise RuntimeError("memory tier did not keep the benchmark data")
+            raise StorageBenchError("memory tier did not keep the benchmark data")
         sources = [[o.payload for o in mem.fetch(k)] for k in picked]
         mem_runs, cpy_runs = [], []
         tick = progress("memory loads", cfg.repeats * 2)
@@ -250,7 +255,7 @@ def _memory_bench(cfg, sessions, lower: TierSpec, bufs, progress) -> dict:
             t0 = time.perf_counter()
             for keys in picked:
                 if store.load(keys, bufs[: len(keys)]) != len(keys):
-                    raise RuntimeError("memory tier lost data during the benchmark")
+                    raise StorageBenchError("memory tier lost data during the benchmark")
             mem_runs.append(used / (time.perf_counter() - t0) / 1e9)
             tick(2)
     finally:

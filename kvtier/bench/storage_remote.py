@@ -38,6 +38,7 @@ from kvtier.bench.storage import (
     MiB,
     Progress,
     StorageBenchConfig,
+    StorageBenchError,
     _median,
     _memory_bench,
     _namespace,
@@ -166,7 +167,7 @@ def run(cfg: StorageBenchConfig, progress: Progress = _no_progress) -> dict:
         for k in all_keys:
             s0 = time.perf_counter()
             if store.load([k], bufs[:1]) != 1:
-                raise RuntimeError(f"single-chunk load missed: storage trouble at {result['tier']}, see the log")
+                raise StorageBenchError(f"single-chunk load missed: storage trouble at {result['tier']}, see the log")
             single.append(time.perf_counter() - s0)
             tick(1)
     finally:
@@ -189,7 +190,7 @@ def run(cfg: StorageBenchConfig, progress: Progress = _no_progress) -> dict:
                     n = store.load(keys, bufs[: len(keys)])
                     per_load[w].append(time.perf_counter() - s0)
                     if n != len(keys):
-                        raise RuntimeError(f"load served {n} of {len(keys)} chunks: storage trouble at {result['tier']}, see the log")
+                        raise StorageBenchError(f"load served {n} of {len(keys)} chunks: storage trouble at {result['tier']}, see the log")
                     nbytes += sum(bufs[i].nbytes for i in range(n))
                     tick(1)
                 runs[w].append(nbytes / (time.perf_counter() - t0) / 1e9)

@@ -14,7 +14,7 @@ import time
 import pytest
 import redis
 
-from tests.tiers.redisserver import REDIS_SERVER, RedisServer
+from tests.tiers.redisserver import REDIS_SERVER, RedisServer, free_port
 from tests.tiers.s3server import ACCESS_KEY, BUCKET, SECRET_KEY, shared_server, weed_binary
 
 # CI (CI=true) must have fio (make test installs it): there a missing fio fails instead of skipping.
@@ -138,3 +138,8 @@ def test_bench_storage_tier_flag_takes_network_tiers_only(tmp_path):
     assert "--tier" in proc.stderr and "Fix:" in proc.stderr
     proc = _bench("--tier", "redis://127.0.0.1:1", "--dir", str(tmp_path), timeout=60)
     assert proc.returncode == 2 and "not allowed with" in proc.stderr
+    # Nothing listens there: one line that says so, exit status 1, no traceback.
+    proc = _bench("--tier", f"redis://127.0.0.1:{free_port()}", "--size", "6MiB", "--session-chunks", "2",
+                  "--no-progress", timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert "kvtier bench storage: could not write benchmark data" in proc.stderr and "Traceback" not in proc.stderr
