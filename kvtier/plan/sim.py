@@ -301,20 +301,22 @@ class Simulator:
             if tier_tokens:
                 load_s += sum(tier_tokens.values()) * self.bpt / (cfg.copy_gbps * 1e9)
 
-        # 4. saves: full chunks past kvtier's hit, the prompt's tail, decode chunks
+        # 4. saves, step by step as the connector plans them: every full
+        # chunk past kvtier's hit as the computed blocks fill it, and once,
+        # at the first step that has whole blocks past the last full chunk,
+        # those blocks as a shorter chunk (the prompt's tail; if the prompt
+        # ends on a chunk boundary, blocks of generated tokens).
         if tiers:
             all_units = units + out_units
             saves: list[tuple[int, int]] = []
-            c = saved_upto // cfg.chunk_tokens
-            while (c + 1) * k <= n_prompt:
-                saves.append((hash((all_units[(c + 1) * k - 1], k)), cfg.chunk_tokens))
-                c += 1
-            upto = c * k
-            if n_prompt > upto:
-                saves.append((hash((units[n_prompt - 1], n_prompt - upto)), (n_prompt - upto) * bs))
-            while (c + 1) * k <= n_final:
-                saves.append((hash((all_units[(c + 1) * k - 1], k)), cfg.chunk_tokens))
-                c += 1
+            saved, tail = saved_upto // bs, False
+            for w in range(n_prompt, n_final + 1):  # whole blocks after prefill, then as decoding fills blocks
+                while saved + k <= w:
+                    saves.append((hash((all_units[saved + k - 1], k)), cfg.chunk_tokens))
+                    saved += k
+                if not tail and w > saved:
+                    saves.append((hash((all_units[w - 1], w - saved)), (w - saved) * bs))
+                    tail = True
             store.put(saves)
 
         # time
