@@ -14,7 +14,8 @@ lease by a DELETE with ``If-Match``, which cannot remove a successor's lease.
 All of this needs conditional requests (AWS S3 since 2024, SeaweedFS 4.x,
 recent MinIO). A server that refuses them gets no exclusion: the caller then
 collects without a lease (deleting a content-addressed object is always safe;
-only work is duplicated).
+only work is duplicated). A server that silently ignores the headers cannot
+be told apart from here; it, too, only duplicates work.
 
 Callers pass a boto3 S3 client; every function raises botocore's errors for
 backend trouble and never waits longer than the client's own timeouts.
@@ -94,8 +95,8 @@ def _put(client: Any, bucket: str, name: str, body: bytes, **cond: str) -> str |
         r = client.put_object(Bucket=bucket, Key=name, Body=body, ContentType="application/json", **cond)
     except client.exceptions.ClientError as exc:
         status = _status(exc)
-        if status in (409, 412):
-            return None
+        if status in (409, 412) or (status == 404 and "IfMatch" in cond):
+            return None  # exists / changed / gone since we looked
         if status in (400, 501):
             raise Unsupported(f"{_code(exc) or status}") from exc
         raise
@@ -103,6 +104,7 @@ def _put(client: Any, bucket: str, name: str, body: bytes, **cond: str) -> str |
 
 
 def _stale(head: dict, lease_s: float) -> bool:
+    # The server's own clock; this host's only if the response has no Date.
     date = head.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
     now = parsedate_to_datetime(date).timestamp() if date else time.time()
     return head["LastModified"].timestamp() + lease_s < now
