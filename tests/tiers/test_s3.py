@@ -315,3 +315,19 @@ def test_a_dead_collectors_lease_is_taken_over_once_and_never_released_by_it():
     finally:
         a.close()
         b.close()
+
+
+@needs_weed
+def test_a_collector_whose_lease_ran_out_deletes_no_more():
+    """Past its lease time a pass stops before its next delete: by then
+    another collector may have judged the lease stale and taken it over."""
+    srv = shared_server()
+    a, b, c = _over_capacity(srv, "expired")
+    try:
+        ran_out = s3lease.Lease(_lease_name(a), '"none"', time.monotonic() - 0.001)
+        r = a._collect(a._list(), False, ran_out, time.monotonic())
+        assert r.ran and r.deleted == 0
+        assert a.lookup(c.keys) == 6
+    finally:
+        a.close()
+        b.close()
