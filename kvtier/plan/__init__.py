@@ -4,6 +4,7 @@
     loaders   Mooncake FAST'25, Alibaba Bailian and kvtier request logs
     synth     synthetic multi-turn traces (and bench workloads as traces)
     models    kvtier's eviction policies, as data structures without I/O
+    storemodel  TieredStore's lookup, fetch (promotion) and put over those models
     stack     one-pass hit ratio against capacity (Mattson stack distances)
     cost      prefill and load time models, calibration
     sim       the replay: engine prefix cache, tiers, instances, routing, TTFT

@@ -143,3 +143,24 @@ def test_unknown_format_is_a_config_error(tmp_path):
     p.write_text('{"foo": 1}\n')
     with pytest.raises(ConfigError):
         loaders.load(p)
+
+
+def test_synthetic_sessions_follow_their_shape():
+    from kvtier.plan.synth import SynthShape
+
+    shape = SynthShape.from_chat(ChatShape(sessions=30, turns=(2, 4), system_tokens=256), seed=3)
+    recs = synth(shape)
+    roots = [r for r in recs if r["parent_chat_id"] < 0]
+    assert len(roots) == 30
+    assert all(2 <= max(x["turn"] for x in recs if _root(recs, x) == r["chat_id"]) <= 4 for r in roots)
+    # Every session starts with the one shared system prompt (256 tokens = 16 blocks).
+    assert len({tuple(r["hash_ids"][:16]) for r in roots}) == 1
+    assert all(r["input_length"] >= 256 + 64 for r in recs)
+    assert [r["timestamp"] for r in recs] == sorted(r["timestamp"] for r in recs)
+
+
+def _root(recs, x):
+    by = {r["chat_id"]: r for r in recs}
+    while x["parent_chat_id"] >= 0:
+        x = by[x["parent_chat_id"]]
+    return x["chat_id"]
