@@ -126,7 +126,8 @@ def cmd_bench_resume(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
         paths.append(Path(args.json))
     print("\nwrote " + ", ".join(str(p) for p in paths) + f", {Path(args.dir) / 'report' / 'requests.jsonl'}")
-    return 0
+    # A configuration that failed leaves the report partial: say so in the status.
+    return 1 if summary.get("failed") else 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -213,6 +213,9 @@ def format_table(s: dict) -> str:
                          f"{s['ratios'][case].get('floor_s', float('nan')):.3f}s")
     lines += ["", "cached = prompt tokens served from a cache (vLLM's or a connector's)"]
     lines += [f"note: {n}" for n in s.get("notes", ())]
+    for f in s.get("failed", ()):
+        last = [ln for ln in f["error"].splitlines() if ln.strip()][-1:]
+        lines.append(f"FAILED: {f['config']} ({f['case']}): {last[0] if last else 'no output'}")
     if s["unavailable_peers"]:
         lines += ["not run on this host:"] + [f"  {k}: {why}" for k, why in s["unavailable_peers"].items()]
     return "\n".join(lines)
