@@ -1,5 +1,6 @@
 """End to end: vLLM engines share KV through a real Redis and a real S3 store
-(SeaweedFS), and keep serving while that server is killed and restarted.
+(SeaweedFS), and keep serving while that server is killed, restarted and
+hung.
 
 This module starts one redis-server (with a password) and one SeaweedFS,
 and four engine processes (tiny Llama, fp32), all configured through a
@@ -10,14 +11,16 @@ kvtier config file that holds the credentials:
   B (700) once: its saves go to both (its write-through is drained when it
   exits);
 - per backend a reader, a fresh process with that server as its only tier,
-  then serves
-  A and B (vLLM's own prefix cache reset before every phase, so every hit is
-  kvtier's, read from the server), and pauses (``wait_for``) while this test
-  kills the server: A, B and a new prompt N must still be served, each within
-  the store's lookup deadline plus compute, with cache-off output. It pauses
+  then serves A and B (vLLM's own prefix cache reset before every phase, so
+  every hit is kvtier's, read from the server), and pauses (``wait_for``)
+  while this test kills the server: A, B and a new prompt N must still be
+  served, no lookup past its deadline, with cache-off output. It pauses
   again while the server is restarted and the breaker's cooldown passes: A
   hits again (the data survived), N misses (its saves were dropped during the
-  outage) and is saved again, and N hits on its next turn.
+  outage) and is saved again, and N hits on its next turn. Last, the server
+  hangs (SIGSTOP: connections are accepted, nothing is answered) while A
+  and B are served (misses within the lookup deadline), and after SIGCONT
+  and a cooldown B hits again.
 
 Redis runs without persistence in these tests; before the SIGKILL the test
 asks it for an RDB snapshot (``SAVE``) so that the restarted server has the
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -83,15 +87,19 @@ def reader_phases(work: Path) -> list[dict]:
         _phases([("A", P["A"]), ("B", P["B"])])
         + _phases([("A-down", P["A"]), ("B-down", P["B"]), ("N-down", N)], work / "down")
         + _phases([("A-up", P["A"]), ("N-up", N), ("N-again", N)], work / "up")
+        + _phases([("A-hang", P["A"]), ("B-hang", P["B"])], work / "hang")
+        + _phases([("B-cont", P["B"])], work / "cont")
     )
     # Saves are written through in the background: N-up's may still be in
     # flight when N-again starts. The runner's drop_page_cache first drains
     # kvtier's write-through (store.flush()); a remote tier has no page cache.
-    phases[-1]["drop_page_cache"] = True
+    next(p for p in phases if p["name"] == "N-again")["drop_page_cache"] = True
     return phases
 
 
-EXPECTED_HITS = {"A": 384, "B": 640, "A-down": 0, "B-down": 0, "N-down": 0, "A-up": 384, "N-up": 0, "N-again": 640}
+EXPECTED_HITS = {"A": 384, "B": 640, "A-down": 0, "B-down": 0, "N-down": 0, "A-up": 384, "N-up": 0, "N-again": 640,
+                 "A-hang": 0, "B-hang": 0, "B-cont": 640}
+OUTAGE_PHASES = ("A-down", "B-down", "N-down", "A-hang", "B-hang")
 
 
 # ------------------------------------------------------------------ backends
@@ -106,6 +114,7 @@ class Backend:
     restart: Callable[[], None]
     close: Callable[[], None]
     secret: str  # must never appear in an engine's log
+    signal: Callable[[int], None]  # send a signal to the running server (SIGSTOP: it hangs)
 
 
 def redis_backend(root: Path) -> Backend:
@@ -119,7 +128,7 @@ def redis_backend(root: Path) -> Backend:
         "kind": "redis", "address": srv.address, "capacity": "256MiB", "password": REDIS_PASSWORD,
         "socket_timeout_s": 0.5, "connect_timeout_s": 0.5, "io_threads": 4, "pool_size": 8,
     }
-    return Backend(spec, kill, srv.start, srv.stop, secret=REDIS_PASSWORD)
+    return Backend(spec, kill, srv.start, srv.stop, REDIS_PASSWORD, lambda sig: srv.proc.send_signal(sig))
 
 
 def s3_backend(root: Path) -> Backend:
@@ -134,7 +143,8 @@ def s3_backend(root: Path) -> Backend:
         "region": "us-east-1", "access_key_id": ACCESS_KEY, "secret_access_key": SECRET_KEY,
         "connect_timeout_s": 0.5, "read_timeout_s": 1.0, "io_threads": 4, "gc_interval_s": 0,
     }
-    return Backend(spec, lambda: srv.stop(grace=0.5), srv.start, lambda: srv.stop(grace=0.5), secret=SECRET_KEY)
+    return Backend(spec, lambda: srv.stop(grace=0.5), srv.start, lambda: srv.stop(grace=0.5), SECRET_KEY,
+                   lambda sig: os.killpg(srv.proc.pid, sig))
 
 
 BACKENDS = {"redis": redis_backend, "s3": s3_backend}
@@ -155,8 +165,8 @@ def kvtier_config(path: Path, backends: list[Backend]) -> dict:
 
 
 def _operate(backend: Backend, work: Path, engine_done: threading.Event, notes: dict) -> None:
-    """Between the reader's phases: kill the server, then restart it. Runs on
-    its own thread while the reader engine runs."""
+    """Between the reader's phases: kill the server, restart it, make it
+    hang, let it go on. Runs on its own thread while the reader engine runs."""
 
     def reached(name: str) -> bool:
         while not (work / f"{name}.reached").exists():
@@ -176,6 +186,18 @@ def _operate(backend: Backend, work: Path, engine_done: threading.Event, notes: 
     time.sleep(COOLDOWN_S + 0.5)  # the breaker is half-open: the next call probes the server
     notes["restarted"] = True
     (work / "up").touch()
+    if not reached("hang"):
+        return
+    backend.signal(signal.SIGSTOP)  # accepts connections, answers nothing
+    notes["hung"] = True
+    (work / "hang").touch()
+    if not reached("cont"):
+        backend.signal(signal.SIGCONT)
+        return
+    backend.signal(signal.SIGCONT)
+    time.sleep(COOLDOWN_S + 0.5)
+    notes["continued"] = True
+    (work / "cont").touch()
 
 
 @dataclass
@@ -271,11 +293,11 @@ def test_engine_keeps_serving_while_the_server_is_killed_and_hits_resume_after_r
     data that survived, N from saves made after the breaker closed)."""
     baseline, _, runs = remote
     base, reader = baseline.result(), runs[kind].reader.result()
-    assert runs[kind].notes == {"killed": True, "restarted": True}
+    assert runs[kind].notes == {"killed": True, "restarted": True, "hung": True, "continued": True}
     assert assert_same_output(reader, base) == len(EXPECTED_HITS)
     got = {name: reader.only(name)["num_cached_tokens"] for name in EXPECTED_HITS}
     assert got == EXPECTED_HITS, reader.where()
-    for name in ("A-down", "B-down", "N-down"):
+    for name in OUTAGE_PHASES:
         wall = reader.only(name)["wall_s"]
         assert wall < OUTAGE_REQUEST_BOUND_S, f"{reader.where()}: {name} took {wall:.2f} s during the outage"
     m = reader.kvtier_metric
