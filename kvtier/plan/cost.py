@@ -146,13 +146,16 @@ def calibration_samples(path: str | Path) -> list[tuple[int, float]]:
 
 
 def alone(recs: list[dict]) -> list[dict]:
-    """Driver records whose prefill ran with no other request of their run
-    and phase in flight: their TTFT is the engine's prefill, not a queue."""
+    """Driver records whose prefill ran with no other request of their run,
+    phase and instance in flight: their TTFT is the engine's prefill, not a
+    queue. (Instances running at once on one host slow each other down too;
+    that is the host's speed, and stays in the fit.)"""
     out = []
     for r in recs:
         a, b = r["t_send"], r.get("t_first", r["t_send"] + r["ttft_s"])
-        run = (r.get("config"), r.get("case"), r.get("round"), r.get("phase"))
-        if not any(o is not r and (o.get("config"), o.get("case"), o.get("round"), o.get("phase")) == run
+        run = (r.get("config"), r.get("case"), r.get("round"), r.get("phase"), r.get("instance", 0))
+        if not any(o is not r and (o.get("config"), o.get("case"), o.get("round"), o.get("phase"),
+                                   o.get("instance", 0)) == run
                    and o["t_send"] < b and o.get("t_done", o["t_send"]) > a for o in recs):
             out.append(r)
     return out

@@ -166,6 +166,7 @@ class Simulator:
         self.ttft, self.ttft_baseline, self.ttft_recompute = array("d"), array("d"), array("d")
         self._fresh = itertools.count(1)
         self._sticky: dict[object, int] = {}
+        self._phase = ""
         self.now = 0.0
 
     def _hook(self, kind: str, inst: int) -> Callable[[int, int], None] | None:
@@ -211,6 +212,14 @@ class Simulator:
     def step(self, r: Request) -> Outcome:
         cfg, bs, k = self.cfg, self.cfg.block_tokens, self.k
         self.now = r.t
+        if r.phase != self._phase:
+            # A bench log's phases are separated by barriers: the next phase
+            # starts on idle engines, whatever backlog the model predicted.
+            self._phase = r.phase
+            for i in self.instances:
+                i.busy = min(i.busy, r.t)
+                i.busy_base = min(i.busy_base, r.t)
+                i.busy_rc = min(i.busy_rc, r.t)
         inst = self.route(r)
         P, O = r.prompt_tokens, max(r.output_tokens, 1)
         n_prompt = P // bs
