@@ -34,9 +34,9 @@ token, model or tenant text ever appears in a name. The body is the encoded
   (``gc_interval_s: 0`` elsewhere): every pass lists the whole prefix.
 
 Threads: every backend call runs on this tier's ``PriorityExecutor`` (loads
-before deletes before stores before maintenance). The boto3 client is
-thread-safe; it is re-created in a forked child, which must not share the
-parent's connections.
+before deletes before stores before maintenance). The boto3 client is made in
+the constructor (no network I/O) and is thread-safe; it is re-created in a
+forked child, which must not share the parent's connections.
 """
 
 from __future__ import annotations
@@ -178,6 +178,12 @@ class S3Tier(PooledIO, Tier):
         self._last_gc: float | None = None
         self._gc_pending = False
         self._no_lease = False  # the server refused conditional requests
+        # Made now rather than by the first lookup: boto3's set-up (imports,
+        # service model) costs 0.1-1 s of CPU, which a fresh engine's first
+        # lookup would otherwise spend inside its deadline (and miss). It
+        # does no network I/O, so a server down at start still only shows
+        # as failing calls later.
+        self._client()
         if config.create_bucket:
             self._create_bucket()
 
