@@ -217,6 +217,8 @@ class Simulator:
             # starts on idle engines, whatever backlog the model predicted.
             self._phase = r.phase
             for i in self.instances:
+                if i.engine is not None:
+                    i.engine.release(float("inf"))  # every request of the last phase has finished
                 i.busy = min(i.busy, r.t)
                 i.busy_base = min(i.busy_base, r.t)
                 i.busy_rc = min(i.busy_rc, r.t)
