@@ -164,9 +164,14 @@ def kvtier_config(path: Path, backends: list[Backend]) -> dict:
 # ------------------------------------------------------------------ the runs
 
 
+BARRIERS = ("down", "up", "hang", "cont")
+
+
 def _operate(backend: Backend, work: Path, engine_done: threading.Event, notes: dict) -> None:
     """Between the reader's phases: kill the server, restart it, make it
-    hang, let it go on. Runs on its own thread while the reader engine runs."""
+    hang, let it go on. Runs on its own thread while the reader engine runs;
+    what it did goes into ``notes`` (and an error there, if a step failed:
+    then every barrier is opened so that the engine does not wait in vain)."""
 
     def reached(name: str) -> bool:
         while not (work / f"{name}.reached").exists():
@@ -175,29 +180,35 @@ def _operate(backend: Backend, work: Path, engine_done: threading.Event, notes: 
             time.sleep(0.05)
         return True
 
-    if not reached("down"):
-        return
-    backend.kill()
-    notes["killed"] = True
-    (work / "down").touch()
-    if not reached("up"):
-        return
-    backend.restart()
-    time.sleep(COOLDOWN_S + 0.5)  # the breaker is half-open: the next call probes the server
-    notes["restarted"] = True
-    (work / "up").touch()
-    if not reached("hang"):
-        return
-    backend.signal(signal.SIGSTOP)  # accepts connections, answers nothing
-    notes["hung"] = True
-    (work / "hang").touch()
-    if not reached("cont"):
-        backend.signal(signal.SIGCONT)
-        return
-    backend.signal(signal.SIGCONT)
-    time.sleep(COOLDOWN_S + 0.5)
-    notes["continued"] = True
-    (work / "cont").touch()
+    def step(name: str) -> None:
+        if name == "down":
+            backend.kill()
+            notes["killed"] = True
+        elif name == "up":
+            backend.restart()
+            time.sleep(COOLDOWN_S + 0.5)  # the breaker is half-open: the next call probes the server
+            notes["restarted"] = True
+        elif name == "hang":
+            backend.signal(signal.SIGSTOP)  # accepts connections, answers nothing
+            notes["hung"] = True
+        else:
+            backend.signal(signal.SIGCONT)
+            time.sleep(COOLDOWN_S + 0.5)
+            notes["continued"] = True
+
+    try:
+        for name in BARRIERS:
+            if not reached(name):
+                return
+            step(name)
+            (work / name).touch()
+    except BaseException as exc:
+        notes["error"] = repr(exc)
+        for name in BARRIERS:
+            (work / name).touch()
+    finally:
+        if notes.get("hung") and not notes.get("continued"):
+            backend.signal(signal.SIGCONT)  # never leave the server stopped
 
 
 @dataclass
