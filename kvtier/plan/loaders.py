@@ -97,6 +97,11 @@ def load(path: str | Path, fmt: str = "auto", unit_tokens: int = 128, block_toke
 
 
 def _mooncake(records, bt: int, ut: int) -> Iterator[Request]:
+    # Mooncake's traces name no sessions: each request is its own unless the
+    # record has a "session_id". (Inferring sessions from extended prefixes
+    # is ambiguous at 512-token blocks: a short turn adds no full block, and
+    # the first request to extend a shared system prompt looks like its
+    # continuation.)
     for i, r in enumerate(records):
         n_in = int(r["input_length"])
         yield Request(
