@@ -361,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     br.add_argument("--system-tokens", type=int, default=512, help="w2: shared system prompt length (default 512)")
     br.add_argument("--user-tokens", type=_ints, default=(64, 384), help="w2: user turn length, min,max (default 64,384)")
     br.add_argument("--answer-tokens", type=_ints, default=(16, 64), help="w2: answer length, min,max (default 16,64)")
-    br.add_argument("--think", type=float, default=2.0, help="w2: mean think time between turns, seconds (default 2)")
+    br.add_argument("--think", type=float, default=8.0, help="w2: mean think time between turns, seconds (default 8)")
     br.add_argument("--rate", type=float, default=0.5, help="w2: conversations started per second, Poisson (default 0.5)")
     br.add_argument("--concurrency", type=int, default=4, help="w2: requests in flight at most (default 4)")
     br.add_argument("--endpoint", action="append", default=[], metavar="URL",

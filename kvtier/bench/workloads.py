@@ -144,7 +144,7 @@ class ChatShape:
     system_tokens: int = 512                   # shared by every session
     user_tokens: tuple[int, int] = (64, 384)   # uniform inclusive
     answer_tokens: tuple[int, int] = (16, 64)  # uniform inclusive; also max_tokens of the turn
-    think_s: float = 2.0                       # mean of an exponential pause between turns
+    think_s: float = 8.0                       # mean of an exponential pause between turns
     arrival_rate: float = 0.5                  # Poisson session arrivals per second
     concurrency: int = 4
 
