@@ -167,7 +167,7 @@ def _spec(cfg: ResumeConfig, name: str, label: str, workload: wl.Workload, model
         cold = {"drop_page_cache_dirs": [str(store)]}
     part = workload.for_instance(instance) if workload.instances > 1 else workload
     return {"model": str(model_dir), "kvtier": kvtier, "engine": engine, "workload": part.to_json(),
-            "block_tokens": CHUNK, "cold": cold, "instance": instance,
+            "block_tokens": BLOCK, "cold": cold, "instance": instance,
             "barrier": str(barrier) if barrier else None}
 
 
@@ -219,7 +219,7 @@ def run_endpoints(cfg: ResumeConfig, endpoints: list[str], routing: str = "workl
 
     runs, notes, per_server = [], [], {}
     for case, workload in cases(cfg):
-        result = endpoint.run_workload(workload, endpoints, routing, progress, block_tokens=CHUNK)
+        result = endpoint.run_workload(workload, endpoints, routing, progress, block_tokens=BLOCK)
         runs.append(endpoint.as_resume_run(result, config=label, case=case))
         notes += [n for n in result["notes"] if n not in notes]
         per_server[case] = {ph["name"]: [{"endpoint": srv["endpoint"], "requests": srv["requests"], **srv["summary"]}

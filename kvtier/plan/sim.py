@@ -9,9 +9,10 @@ Per request, in the order the vLLM connector does it
    prompt's whole blocks (full chunks, the last one shorter), tier by tier,
    fastest first, the longest contiguous prefix; where full chunks stop, a
    shorter chunk (whole blocks) an earlier, shorter prompt stored may serve.
-3. A hit outside the memory tier starts a prefetch of every hit chunk: lower
-   tiers are read (disk reads refresh their LRU position, shared reads their
-   stamp) and what they return is promoted into memory. The load then reads
+3. A hit outside the memory tier starts a prefetch of the hit chunks outside
+   memory that end past the engine's own hit: lower tiers are read (disk
+   reads refresh their LRU position, shared reads their stamp) and what they
+   return is promoted into memory. The load then reads
    the chunks beyond the engine's own hit (from memory now).
 4. Saves: every full chunk past kvtier's hit, the prompt's whole-block tail
    at the end of prefill, then full chunks as decoding fills them. A save
@@ -283,8 +284,15 @@ class Simulator:
             hit = min(hit, usable)
             saved_upto = sum(1 for _, nt in hit_keys if nt == cfg.chunk_tokens) * cfg.chunk_tokens
             read: dict[str, int] = {}
-            if hit_keys and any(tiers[h][0] != "memory" for h in hit_tiers) and tiers[0][0] == "memory":
-                _, read = store.fetch(hit_keys)  # prefetch of every hit chunk
+            if tiers[0][0] == "memory":
+                # The prefetch: hit chunks outside memory that end past the engine's own hit.
+                wanted, pos = [], 0
+                for (key, ntok), h in zip(hit_keys, hit_tiers):
+                    pos += ntok
+                    if pos > computed and tiers[h][0] != "memory":
+                        wanted.append((key, ntok))
+                if wanted:
+                    _, read = store.fetch(wanted)
             if hit > computed:
                 lo, hi, pos = computed, hit, 0
                 load_keys = []

@@ -49,7 +49,7 @@ def test_bench_resume_w1_smoke(tmp_path):
     # The request log: one record per request of every configuration, warm phases included.
     assert len(run["requests"]) == 6 * 2 * 3
     rec = next(r for r in run["requests"] if r["config"] == "kvtier-shared" and r["phase"] == "resume")
-    assert rec["workload"] == "W1" and rec["prompt_tokens"] == 512 and len(rec["hash_ids"]) == 2
+    assert rec["workload"] == "W1" and rec["prompt_tokens"] == 512 and len(rec["hash_ids"]) == 4  # engine blocks
     report = tmp_path / "w1" / "report"
     for f in ("results.json", "report.md", "requests.jsonl", "ttft_cdf.png", "speedup.png", "hits.png"):
         assert (report / f).stat().st_size > 0, f

@@ -116,7 +116,8 @@ class KVTierScheduler:
                 st.lookup = Future()
                 st.lookup.set_result(self._lookup(request.request_id, st.root, tokens, usable))
             else:
-                st.lookup = self._lookups.submit(LOAD, self._lookup, request.request_id, st.root, tokens, usable)
+                st.lookup = self._lookups.submit(LOAD, self._lookup, request.request_id, st.root, tokens, usable,
+                                                 num_computed_tokens)
         try:
             hit: _Hit = st.lookup.result(timeout=_LOOKUP_GRACE_S)
         except FutureTimeout:
@@ -156,7 +157,7 @@ class KVTierScheduler:
             pos += k.num_tokens
         return out
 
-    def _lookup(self, req_id: str, root: ChunkKey, tokens: list[int], usable: int) -> _Hit:
+    def _lookup(self, req_id: str, root: ChunkKey, tokens: list[int], usable: int, local: int = 0) -> _Hit:
         """Longest stored prefix of ``tokens`` (runs on the lookup pool), in
         tokens, capped at ``usable``.
 
@@ -191,8 +192,15 @@ class KVTierScheduler:
         while hit_keys and hit - hit_keys[-1].num_tokens >= usable:
             hit -= hit_keys.pop().num_tokens
             tiers.pop()
-        if hit and any(self._tier_kinds.get(t) != "memory" for t in tiers) and self.store.memory is not None:
-            runtime.set_prefetch(req_id, self.store.prefetch(hit_keys))
+        # Prefetch what vLLM will claim: chunks that end past its own hit
+        # (``local`` tokens it already holds); reading the others is waste.
+        wanted, pos = [], 0
+        for k, tier in zip(hit_keys, tiers):
+            pos += k.num_tokens
+            if pos > local and self._tier_kinds.get(tier) != "memory":
+                wanted.append(k)
+        if wanted and self.store.memory is not None:
+            runtime.set_prefetch(req_id, self.store.prefetch(wanted))
         return _Hit(min(hit, usable), hit_keys, tiers)
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
