@@ -65,6 +65,7 @@ log = logging.getLogger(__name__)
 _DEFAULT_BYTES_PER_TOKEN = 16 << 10
 _NAME = re.compile(r"^(?:.*/)?" + LAYOUT_DIR + r"/([0-9a-f]{16})/([0-9a-f]{64})$")
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
+_PREFIX = re.compile(r"^[A-Za-z0-9._\-/]{0,512}$")
 _NO_LEASE = s3lease.Lease("", "", float("inf"))  # collect without exclusion (server without conditional requests)
 
 
@@ -114,6 +115,14 @@ class S3Config:
         if not _BUCKET.match(self.bucket):
             raise ConfigError(
                 f"{prefix}location", f"bucket name {self.bucket!r} is not valid", "use 3-63 lowercase letters, digits, dots or hyphens"
+            )
+        # Servers normalise or refuse such prefixes (SeaweedFS answers 400 to
+        # every call): refuse them here, with the reason.
+        parts = self.prefix.split("/") if self.prefix else []
+        if any(p in ("", ".", "..") for p in parts) or not _PREFIX.match(self.prefix):
+            raise ConfigError(
+                f"{prefix}location", f"key prefix {self.prefix!r} is not valid",
+                "use path segments of letters, digits and . _ - (no empty, '.' or '..' segments), e.g. kvcache/prod",
             )
         if self.capacity <= 0:
             raise ConfigError(f"{prefix}capacity", "must be set", "set how much this tier may hold, e.g. capacity: 1TiB")

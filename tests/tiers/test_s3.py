@@ -16,6 +16,7 @@ from kvtier.config import parse_tier
 from kvtier.engine.breaker import CircuitBreaker
 from kvtier.metrics import Metrics
 from kvtier.tiers import s3lease
+from kvtier.errors import ConfigError
 from kvtier.tiers.s3 import S3Config, S3Tier
 from tests.support import OBJ, make_chunks
 from tests.tiers.s3server import BUCKET, S3Server, s3_config, shared_server, weed_binary
@@ -331,3 +332,10 @@ def test_a_collector_whose_lease_ran_out_deletes_no_more():
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("location", ["kvbench/../x", "kvbench/a//b", "kvbench/./a", "kvbench/a b", "kvbench/a\x00"])
+def test_a_hostile_key_prefix_is_refused_naming_the_key(location):
+    with pytest.raises(ConfigError) as err:
+        S3Config(location=location, capacity=1 << 20).validate()
+    assert err.value.key == "location" and "prefix" in str(err.value)
