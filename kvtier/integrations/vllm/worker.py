@@ -48,10 +48,9 @@ class KVTierWorker:
         self.layout: BlockLayout | None = None
         self._loader = PriorityExecutor("vllm-load", 2)
         self._lock = threading.Lock()
-        self._started: set[str] = set()
-        self._ready: dict[str, tuple[LoadJob, list[ChunkObject]]] = {}  # read, not yet copied in
+        self._inflight: dict[str, _InFlight] = {}  # asynchronous loads not yet reported
         self._errors_to_report: set[int] = set()
-        self._read_done = threading.Event()  # set when a load finished reading
+        self._arrived = threading.Event()  # set when a chunk arrived or a load finished reading
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         missing = [n for n in self.layer_names if n not in kv_caches]
@@ -77,22 +76,27 @@ class KVTierWorker:
                 except Exception as exc:  # a failed load is a recompute, never a failed request
                     log.warning("kvtier: load for %s failed: %s; recomputing", job.req_id, exc)
                     objs = []
-                failed = self._copy_in(job, objs)
+                flight = _InFlight(job)
+                flight.copy_in(self, objs)
+                failed = flight.missing_blocks()
                 runtime.counter("scatter_seconds").observe(time.perf_counter() - t0)
                 with self._lock:
                     self._errors_to_report |= failed
                 continue
             with self._lock:
-                if job.req_id in self._started:
+                if job.req_id in self._inflight:
                     continue
-                self._started.add(job.req_id)
-            fut = self._loader.submit(LOAD, self._load, job)
-            fut.add_done_callback(lambda f, job=job: self._loaded(job, f))
+                flight = self._inflight[job.req_id] = _InFlight(job)
+            fut = self._loader.submit(LOAD, self._load, job, flight)
+            fut.add_done_callback(lambda f, flight=flight: self._read_ended(flight, f))
 
-    def _load(self, job: LoadJob) -> list[ChunkObject]:
+    def _load(self, job: LoadJob, flight: _InFlight | None = None) -> list[ChunkObject]:
         """Read the job's chunks (loader thread). Returns the leading chunks
         that verified and have the expected shape, each retained: they stay
-        valid until ``get_finished`` has copied them into the engine."""
+        valid until they are copied into the engine. With ``flight`` (an
+        asynchronous load) each chunk is handed over as it arrives, so that
+        the engine thread copies the first chunks while later ones are read;
+        nothing is returned then."""
         t0 = time.perf_counter()
         prefetch = runtime.pop_prefetch(job.req_id)
         if prefetch is not None:
@@ -110,7 +114,12 @@ class KVTierWorker:
                     log.warning("kvtier: chunk %s has shape %s %s, expected %s %s; recomputing",
                                 c.key.hex[:16], h.shape, h.dtype, shape, self.settings.kv_dtype)
                     break
-                objs.append(obj.retain())
+                if flight is None:
+                    objs.append(obj.retain())
+                    continue
+                with self._lock:
+                    flight.arrived.append(obj.retain())
+                self._arrived.set()
         except BaseException:
             for o in objs:
                 o.release()
@@ -120,58 +129,51 @@ class KVTierWorker:
         runtime.counter("load_seconds").observe(time.perf_counter() - t0)
         return objs
 
-    def _loaded(self, job: LoadJob, fut) -> None:
-        try:
-            objs = fut.result()
-        except BaseException as exc:  # a failed load is a recompute, never a failed request
-            log.warning("kvtier: load for %s failed: %s; recomputing", job.req_id, exc)
-            objs = []
+    def _read_ended(self, flight: _InFlight, fut) -> None:
+        """The loader is done with ``flight`` (loader thread): whatever did
+        not arrive by now is not loaded."""
+        exc = None if fut.cancelled() else fut.exception()
+        if exc is not None:  # a failed load is a recompute, never a failed request
+            log.warning("kvtier: load for %s failed: %s; recomputing", flight.job.req_id, exc)
         with self._lock:
-            self._ready[job.req_id] = (job, objs)
-        self._read_done.set()
+            flight.read_done = True
+        self._arrived.set()
 
     def get_finished(self, finished_req_ids: set[str], idle: bool = False) -> tuple[set[str] | None, set[str] | None]:
-        """Copy every load that finished reading into its engine blocks, here
-        on the engine's thread: a few memcpys per chunk, which a loader thread
-        would do far slower, waiting for the GIL between each.
+        """Copy the chunks that arrived since the last step into their engine
+        blocks, here on the engine's thread (a few memcpys per chunk, which a
+        loader thread would do far slower, waiting for the GIL between each),
+        and report the loads whose reading ended and whose chunks are all in.
 
         ``idle``: this step computed nothing, so waiting here delays no other
-        request; wait (GIL released) until a load in flight finishes reading,
-        at most ``_IDLE_WAIT_S``."""
+        request; wait (GIL released) until a chunk arrives, at most
+        ``_IDLE_WAIT_S``."""
         with self._lock:
-            waiting = idle and not self._ready and bool(self._started)
-            self._read_done.clear()
+            waiting = idle and bool(self._inflight) and not any(
+                f.arrived or f.read_done for f in self._inflight.values())
+            self._arrived.clear()
         if waiting:
-            self._read_done.wait(_IDLE_WAIT_S)
+            self._arrived.wait(_IDLE_WAIT_S)
         with self._lock:
-            ready, self._ready = self._ready, {}
-        if not ready:
+            batches = [(f, f.arrived, f.read_done) for f in self._inflight.values() if f.arrived or f.read_done]
+            for f, _, _ in batches:
+                f.arrived = []
+        if not batches:
             return None, None
         t0 = time.perf_counter()
+        finished: set[str] = set()
         failed: set[int] = set()
-        for job, objs in ready.values():
-            failed |= self._copy_in(job, objs)
+        for flight, objs, read_done in batches:
+            flight.copy_in(self, objs)
+            if read_done:  # everything that will arrive has: report it
+                failed |= flight.missing_blocks()
+                finished.add(flight.job.req_id)
         runtime.counter("scatter_seconds").observe(time.perf_counter() - t0)
         with self._lock:
-            self._started.difference_update(ready)
+            for rid in finished:
+                del self._inflight[rid]
             self._errors_to_report |= failed
-        return None, set(ready)
-
-    def _copy_in(self, job: LoadJob, objs: list[ChunkObject]) -> set[int]:
-        """Copy read chunks into their engine blocks (engine thread) and
-        release them; returns the blocks that were not loaded."""
-        loaded = 0
-        try:
-            for c, obj in zip(job.chunks, objs):
-                src = torch.frombuffer(obj.payload, dtype=self.layout.dtype).view(obj.header.shape)
-                self.layout.scatter(c.block_ids, self.layout.leading_blocks(src, len(c.block_ids)), first=c.skip)
-                loaded += 1
-        except Exception as exc:
-            log.warning("kvtier: copying %s into the engine failed: %s; recomputing", job.req_id, exc)
-        finally:
-            for o in objs:
-                o.release()
-        return {b for c in job.chunks[loaded:] for b in c.block_ids[c.skip :]}
+        return None, finished or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:
@@ -208,3 +210,38 @@ class KVTierWorker:
 
     def close(self) -> None:
         self._loader.close()
+
+
+class _InFlight:
+    """One asynchronous load: chunks arrive from the loader thread in order
+    (``arrived``, guarded by the worker's lock) and are copied in by the
+    engine thread (``copied``, engine thread only)."""
+
+    def __init__(self, job: LoadJob):
+        self.job = job
+        self.arrived: list[ChunkObject] = []
+        self.read_done = False
+        self.copied = 0  # leading chunks copied into the engine
+        self.broken = False  # a copy failed: nothing more is copied
+
+    def copy_in(self, worker: KVTierWorker, objs: list[ChunkObject]) -> None:
+        layout = worker.layout
+        try:
+            for obj in objs:
+                if self.broken:
+                    break
+                c = self.job.chunks[self.copied]
+                try:
+                    src = torch.frombuffer(obj.payload, dtype=layout.dtype).view(obj.header.shape)
+                    layout.scatter(c.block_ids, layout.leading_blocks(src, len(c.block_ids)), first=c.skip)
+                    self.copied += 1
+                except Exception as exc:
+                    log.warning("kvtier: copying %s into the engine failed: %s; recomputing", self.job.req_id, exc)
+                    self.broken = True
+        finally:
+            for o in objs:
+                o.release()
+
+    def missing_blocks(self) -> set[int]:
+        """Blocks of the chunks that were not copied in (vLLM recomputes them)."""
+        return {b for c in self.job.chunks[self.copied:] for b in c.block_ids[c.skip:]}
