@@ -39,6 +39,14 @@ def _ints(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _read_modes(text: str) -> tuple[str, ...]:
+    modes = tuple(t for t in text.split(",") if t)
+    bad = [m for m in modes if m not in ("direct", "buffered")]
+    if bad or not modes:
+        raise argparse.ArgumentTypeError(f"expected direct and/or buffered, comma-separated, got {text!r}")
+    return modes
+
+
 def _progress_factory(enabled: bool):
     if not enabled:
         return lambda desc, total: (lambda n: None)
@@ -78,6 +86,7 @@ def cmd_bench_storage(args: argparse.Namespace) -> int:
         session_chunks=args.session_chunks,
         windows=args.windows,
         fio_depths=args.fio_depths,
+        read_modes=args.read_modes,
         repeats=args.repeats,
         memory_bytes=args.memory,
         io_threads=args.io_threads,
@@ -279,8 +288,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="how close kvtier's reads get to the storage limit (fio) and to memcpy",
         description=(
             "Write SIZE bytes of chunk objects shaped like a model's KV into DIR, then measure in one run: "
-            "fio sequential O_DIRECT reads (queue depths --fio-depths), kvtier cold loads with the page cache "
-            "dropped at several read windows, and kvtier memory-tier loads against memcpy. Figures are medians "
+            "fio sequential reads (O_DIRECT at queue depths --fio-depths, and buffered 128KiB reads with the "
+            "kernel's readahead), kvtier cold loads with the page cache dropped at several read windows in each "
+            "read mode (--read-modes: the file tiers' o_direct true/false; the table shows which suits this "
+            "storage), and kvtier memory-tier loads against memcpy. Figures are medians "
             "of --repeats runs. Needs Debian's fio. With --tier (Redis, S3) instead of --dir: writes, "
             "single-chunk latency and loads at each window, with per-chunk read latency p50/p99; no fio."
         ),
@@ -300,6 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--session-chunks", type=int, default=32, help="chunks per load call, i.e. one resumed session (default 32 = 8k tokens)")
     bs.add_argument("--windows", type=_sizes, default=(16 << 20, 64 << 20, 128 << 20), help="read windows to try, comma-separated (default 16MiB,64MiB,128MiB)")
     bs.add_argument("--fio-depths", type=_ints, default=(1, 8, 32), help="fio queue depths (default 1,8,32)")
+    bs.add_argument("--read-modes", type=_read_modes, default=("direct", "buffered"),
+                    help="kvtier read modes to measure, comma-separated: direct (o_direct: true), buffered "
+                    "(o_direct: false) (default both)")
     bs.add_argument("--repeats", type=int, default=3, help="runs per measurement; medians are reported (default 3)")
     bs.add_argument("--memory", type=_size, default=1 << 30, help="bytes used for the memory-tier comparison (default 1GiB)")
     bs.add_argument("--io-threads", type=int, default=32, help="I/O threads of the tier (default 32)")

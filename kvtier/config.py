@@ -65,6 +65,16 @@ def opt(default: Any, doc: str) -> Any:
     return field(default=default, metadata={"doc": doc})
 
 
+def check_watermarks(prefix: str, low: float, high: float) -> None:
+    """A collector's watermarks (shared directory, S3): 0 < low < high <= 1."""
+    if not 0 < low < high <= 1:
+        raise ConfigError(
+            f"{prefix}low_watermark",
+            f"need 0 < low_watermark ({low}) < high_watermark ({high}) <= 1",
+            "use e.g. low_watermark: 0.85, high_watermark: 0.95",
+        )
+
+
 def build(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
     """Instantiate dataclass ``cls`` from loose values, naming bad keys.
 

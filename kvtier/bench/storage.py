@@ -4,10 +4,13 @@ On a network tier (``--tier redis://...``, ``s3://...``) see ``storage_remote``.
 In one run, on one directory:
 1. write ``size`` bytes of chunk objects shaped like a real model's KV
    (sessions of ``session_chunks`` chunks, prefix-chained keys);
-2. fio sequential O_DIRECT reads at several queue depths: the device limit;
-3. kvtier cold loads (page cache dropped, O_DIRECT, parallel within a byte
-   window) at several window sizes, through ``TieredStore.load`` as an engine
-   would call it (lookup, verified reads, copy into caller buffers);
+2. fio sequential reads: O_DIRECT at several queue depths, and buffered
+   128 KiB reads with the kernel's readahead (page cache dropped first); the
+   best of them is the storage limit;
+3. kvtier cold loads (page cache dropped, parallel within a byte window) at
+   several window sizes and in both read modes (O_DIRECT and buffered), through
+   ``TieredStore.load`` as an engine would call it (lookup, verified reads,
+   copy into caller buffers);
 4. kvtier memory-tier loads against a plain memcpy of the same bytes.
 
 Every figure is the median of ``repeats`` runs; ratios compare medians of the
@@ -56,6 +59,7 @@ class StorageBenchConfig:
     session_chunks: int = 32
     windows: tuple[int, ...] = (16 * MiB, 64 * MiB, 128 * MiB)
     fio_depths: tuple[int, ...] = (1, 8, 32)
+    read_modes: tuple[str, ...] = ("direct", "buffered")  # the file tiers' o_direct: true / false
     repeats: int = 3
     memory_bytes: int = 1 * GiB
     io_threads: int = 32
@@ -109,14 +113,38 @@ def _populate(tier, sessions: list[list[ChunkKey]], cfg: StorageBenchConfig, pro
     return total
 
 
-def _shared_spec(path: Path, capacity: int, window: int, threads: int) -> TierSpec:
+READ_MODES = ("direct", "buffered")
+
+
+def _shared_spec(path: Path, capacity: int, window: int, threads: int, mode: str = "direct") -> TierSpec:
     return TierSpec(
         "shared",
         SharedConfig(
-            path=str(path), capacity=capacity, name="shared", o_direct=True,
+            path=str(path), capacity=capacity, name="shared", o_direct=mode == "direct",
             read_window_bytes=window, io_threads=threads, gc_interval_s=0,
         ),
     )
+
+
+def load_sessions(store: TieredStore, sessions, bufs, per_load: list[float], tick, what: str, where: str) -> float:
+    """Load every session once through ``store``, as an engine would; append
+    each load's seconds to ``per_load``; return GB/s over the whole pass."""
+    nbytes, t0 = 0, time.perf_counter()
+    for keys in sessions:
+        s0 = time.perf_counter()
+        n = store.load(keys, bufs[: len(keys)])
+        per_load.append(time.perf_counter() - s0)
+        if n != len(keys):
+            raise StorageBenchError(f"{what} served {n} of {len(keys)} chunks: storage trouble, {where}")
+        nbytes += sum(bufs[i].nbytes for i in range(n))
+        tick(1)
+    return nbytes / (time.perf_counter() - t0) / 1e9
+
+
+def cold_label(window: int, mode: str) -> str:
+    """The key of one cold-load variant in the results: "64MiB" (O_DIRECT)
+    or "64MiB buffered"."""
+    return f"{window // MiB}MiB" + ("" if mode == "direct" else f" {mode}")
 
 
 def _median(xs: list[float]) -> float:
@@ -168,47 +196,44 @@ def run(cfg: StorageBenchConfig, progress: Progress = _no_progress, log: Callabl
     # both see the same device conditions (shared and virtual disks drift).
     fio_size = min(cfg.size_bytes, 2 * GiB)
     bufs = [alloc(cfg.model.bytes_per_token * cfg.chunk_tokens) for _ in range(cfg.session_chunks)]
-    fio_runs: dict[int, list[float]] = {d: [] for d in cfg.fio_depths}
-    cold_runs: dict[int, list[float]] = {w: [] for w in cfg.windows}
-    per_load: dict[int, list[float]] = {w: [] for w in cfg.windows}
+    # fio: O_DIRECT at each depth, and buffered 128 KiB reads (readahead).
+    fio_jobs = {f"qd{d}": (d, "1M", True) for d in cfg.fio_depths}
+    if "buffered" in cfg.read_modes:
+        fio_jobs["buffered-128k"] = (1, "128k", False)
+    fio_runs: dict[str, list[float]] = {j: [] for j in fio_jobs}
+    variants = [(w, m) for m in cfg.read_modes for w in cfg.windows]
+    cold_runs: dict[tuple, list[float]] = {v: [] for v in variants}
+    per_load: dict[tuple, list[float]] = {v: [] for v in variants}
     stores = {
-        w: TieredStore(StoreConfig(tiers=(_shared_spec(store_dir, capacity, w, cfg.io_threads),), promote=False))
-        for w in cfg.windows
+        (w, m): TieredStore(StoreConfig(tiers=(_shared_spec(store_dir, capacity, w, cfg.io_threads, m),), promote=False))
+        for w, m in variants
     }
-    tick = progress("fio + cold loads", cfg.repeats * (len(cfg.fio_depths) + len(cfg.windows) * len(sessions)))
+    tick = progress("fio + cold loads", cfg.repeats * (len(fio_jobs) + len(variants) * len(sessions)))
     try:
         for _ in range(cfg.repeats):
-            for depth in cfg.fio_depths:
-                fio_runs[depth].append(fio_seq_read(fio_dir, depth, fio_size))
+            for job, (depth, block, o_direct) in fio_jobs.items():
+                fio_runs[job].append(fio_seq_read(fio_dir, depth, fio_size, block=block, direct=o_direct))
                 tick(1)
-            for window, store in stores.items():
+            for variant, store in stores.items():
                 store.tier("shared").drop_cache()
-                nbytes, t0 = 0, time.perf_counter()
-                for keys in sessions:
-                    s0 = time.perf_counter()
-                    n = store.load(keys, bufs[: len(keys)])
-                    per_load[window].append(time.perf_counter() - s0)
-                    if n != len(keys):
-                        raise StorageBenchError(f"cold load served {n} of {len(keys)} chunks: storage trouble, see the log")
-                    nbytes += sum(bufs[i].nbytes for i in range(n))
-                    tick(1)
-                cold_runs[window].append(nbytes / (time.perf_counter() - t0) / 1e9)
-        direct = {w: s.tier("shared").dir.direct_ok for w, s in stores.items()}
+                cold_runs[variant].append(load_sessions(store, sessions, bufs, per_load[variant], tick, "cold load", "see the log"))
+        direct = {v: s.tier("shared").dir.direct_ok and v[1] == "direct" for v, s in stores.items()}
     finally:
         remove_fio_file(fio_dir)
         for st in stores.values():
             st.close()
-    result["fio"] = {f"qd{d}": {"runs_gbps": r, "median_gbps": _median(r)} for d, r in fio_runs.items()}
+    result["fio"] = {j: {"runs_gbps": r, "median_gbps": _median(r)} for j, r in fio_runs.items()}
     result["fio_best_gbps"] = max(v["median_gbps"] for v in result["fio"].values())
     cold = {
-        f"{w // MiB}MiB": {
+        cold_label(w, m): {
             "window_bytes": w,
-            "runs_gbps": cold_runs[w],
-            "median_gbps": _median(cold_runs[w]),
-            "session_load_p50_s": _median(per_load[w]),
-            "o_direct": direct[w],
+            "read_mode": m,
+            "runs_gbps": cold_runs[w, m],
+            "median_gbps": _median(cold_runs[w, m]),
+            "session_load_p50_s": _median(per_load[w, m]),
+            "o_direct": direct[w, m],
         }
-        for w in cfg.windows
+        for w, m in variants
     }
     result["cold"] = cold
     best = max(cold, key=lambda w: cold[w]["median_gbps"])
@@ -240,6 +265,10 @@ def _memory_bench(cfg, sessions, lower: TierSpec, bufs, progress) -> dict:
                 raise StorageBenchError("could not read benchmark data back")
             picked.append(keys)
             used += size
+        if not picked:
+            per = sum(k.num_tokens for k in sessions[0]) * cfg.model.bytes_per_token
+            raise StorageBenchError(f"--memory {budget // MiB} MiB holds no whole session ({per / MiB:.0f} MiB): "
+                                    f"raise --memory or lower --session-chunks")
         mem = store.tier("memory")
         if any(mem.lookup(k) != len(k) for k in picked):
             raise StorageBenchError("memory tier did not keep the benchmark data")
@@ -296,17 +325,18 @@ def format_table(r: dict) -> str:
         f"({r['model']['name']}, {r['chunk_tokens']} tokens/chunk, {r['sessions']} sessions); "
         f"medians of {r['repeats']} runs",
         "",
-        f"{'measurement':<34}{'GB/s':>8}  {'ratio':>18}",
-        "-" * 62,
+        f"{'measurement':<40}{'GB/s':>8}  {'ratio':>18}",
+        "-" * 68,
     ]
-    for depth, v in r["fio"].items():
-        lines.append(f"{'fio seq read O_DIRECT 1MiB ' + depth:<34}{v['median_gbps']:>8.2f}  {v['median_gbps'] / fio_best:>12.2f} x fio")
+    for job, v in r["fio"].items():
+        what = "fio seq read buffered 128KiB" if job.startswith("buffered") else "fio seq read O_DIRECT 1MiB " + job
+        lines.append(f"{what:<40}{v['median_gbps']:>8.2f}  {v['median_gbps'] / fio_best:>12.2f} x fio")
     for w, v in r["cold"].items():
         mark = " *" if w == r["cold_best_window"] else ""
-        lines.append(f"{'kvtier cold load, window ' + w:<34}{v['median_gbps']:>8.2f}  {v['median_gbps'] / fio_best:>12.2f} x fio{mark}")
-    lines.append(f"{'memcpy (same bytes)':<34}{r['memcpy_gbps']:>8.2f}")
+        lines.append(f"{'kvtier cold load, window ' + w:<40}{v['median_gbps']:>8.2f}  {v['median_gbps'] / fio_best:>12.2f} x fio{mark}")
+    lines.append(f"{'memcpy (same bytes)':<40}{r['memcpy_gbps']:>8.2f}")
     lines.append(
-        f"{'kvtier memory-tier load':<34}{r['memory_load_gbps']:>8.2f}  {r['memory_vs_memcpy']:>9.2f} x memcpy"
+        f"{'kvtier memory-tier load':<40}{r['memory_load_gbps']:>8.2f}  {r['memory_vs_memcpy']:>9.2f} x memcpy"
     )
     lines.append("")
     lines.append(

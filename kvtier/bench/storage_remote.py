@@ -44,6 +44,7 @@ from kvtier.bench.storage import (
     _namespace,
     _no_progress,
     _populate,
+    load_sessions,
     _sessions,
 )
 from kvtier.buffers import alloc
@@ -184,16 +185,7 @@ def run(cfg: StorageBenchConfig, progress: Progress = _no_progress) -> dict:
     try:
         for _ in range(cfg.repeats):
             for w, store in stores.items():
-                nbytes, t0 = 0, time.perf_counter()
-                for keys in sessions:
-                    s0 = time.perf_counter()
-                    n = store.load(keys, bufs[: len(keys)])
-                    per_load[w].append(time.perf_counter() - s0)
-                    if n != len(keys):
-                        raise StorageBenchError(f"load served {n} of {len(keys)} chunks: storage trouble at {result['tier']}, see the log")
-                    nbytes += sum(bufs[i].nbytes for i in range(n))
-                    tick(1)
-                runs[w].append(nbytes / (time.perf_counter() - t0) / 1e9)
+                runs[w].append(load_sessions(store, sessions, bufs, per_load[w], tick, "load", f"at {result['tier']}, see the log"))
                 reads[w] += timers[w].take()
     finally:
         for s in stores.values():

@@ -73,6 +73,19 @@ def _drop_tiers(names, drop_page_cache: bool) -> None:
                 tier.drop_cache()
 
 
+def _quiesce() -> None:
+    """Let the warm-up's writes finish before a measured phase: kvtier's
+    write-through, then the page cache's write-back (os.sync), so that no
+    configuration's measurement pays for its own or another's leftover
+    writes (a disk tier's files are not otherwise flushed; on a 2-core host
+    the write-back of a few hundred MiB costs tens of ms of TTFT)."""
+    from kvtier.integrations.vllm import runtime
+
+    for store in runtime.stores():
+        store.flush()
+    os.sync()
+
+
 def _wait_for(path: str, timeout_s: float) -> None:
     open(path + ".reached", "w").close()
     deadline = time.monotonic() + timeout_s
@@ -148,6 +161,7 @@ def _run_workload(llm, spec: dict) -> dict:
     records, phases = [], []
     for phase in wl.phases:
         if phase.cold:
+            _quiesce()
             _drop_tiers(cold.get("drop_tiers", ()), cold.get("drop_page_cache", False))
             for d in cold.get("drop_page_cache_dirs", ()):
                 _drop_dir_cache(Path(d))

@@ -82,38 +82,75 @@ def io_from_storage_json(path: str | Path, io: dict[str, TierIO]) -> dict[str, T
     return out
 
 
-def fit_prefill(samples: list[tuple[int, float]], c_default: float = PrefillModel.c, source: str = "") -> PrefillModel:
-    """Least-squares fit of ``a*n + b*n^2 + c`` to (prompt tokens, recompute
-    seconds). With fewer than three distinct lengths ``c`` is held at
-    ``c_default`` and ``a``, ``b`` fitted; with one length only ``a``."""
+def fit_prefill(samples: list[tuple], c_default: float = PrefillModel.c, source: str = "") -> PrefillModel:
+    """Non-negative least-squares fit of the prefill law to measured TTFTs.
+
+    A sample is (prompt tokens, seconds) for a full recompute, or (prompt
+    tokens, tokens the engine had cached, seconds) for a prefill against a
+    cached context: ``a*(n-h) + b*(n^2-h^2) + c``. With fewer than three
+    distinct samples, or computed lengths spanning less than 4x, ``c`` is
+    held at ``c_default`` and ``a``, ``b`` fitted; with one, the default law
+    is scaled."""
     import numpy as np
 
     if not samples:
         raise ConfigError("--calibrate", "no recompute measurements found", "pass a results.json or requests.jsonl with recompute runs")
-    # The median per length resists one slow outlier.
-    by_n: dict[int, list[float]] = {}
-    for n, s in samples:
-        by_n.setdefault(int(n), []).append(float(s))
+    # The median per (length, cached) resists one slow outlier.
+    by_n: dict[tuple[int, int], list[float]] = {}
+    for smp in samples:
+        n, h, sec = (smp[0], 0, smp[1]) if len(smp) == 2 else smp
+        by_n.setdefault((int(n), int(h)), []).append(float(sec))
     ns = sorted(by_n)
-    ys = np.array([statistics.median(by_n[n]) for n in ns])
-    x = np.array(ns, dtype=float)
-    # With fewer than three lengths c cannot be told apart from the rest: it
+    ys = np.array([statistics.median(by_n[k]) for k in ns])
+    n = np.array([k[0] for k in ns], dtype=float)
+    h = np.array([k[1] for k in ns], dtype=float)
+    lin, quad = n - h, n * n - h * h
+    # With fewer than three samples c cannot be told apart from the rest: it
     # is held at c_default, or at a tenth of the fastest measurement if that
     # is smaller (a small model's whole prefill can take less than c_default).
     c_fixed = min(c_default, 0.1 * float(ys.min()))
-    if len(ns) >= 3:
-        A = np.stack([x, x * x, np.ones_like(x)], 1)
-        a, b, c = np.linalg.lstsq(A, ys, rcond=None)[0]
-    elif len(ns) == 2:
-        A = np.stack([x, x * x], 1)
-        (a, b), c = np.linalg.lstsq(A, ys - c_fixed, rcond=None)[0], c_fixed
-    else:  # one length: the default law's shape, scaled to the measurement
+    # Computed lengths within a narrow span (a chat's whole prompts, 600-1500
+    # tokens) cannot tell c from a*n either: a fit there traded 2 ms per
+    # token for 1.25 s per request. c is fitted only over a span of 4x or more.
+    if len(ns) >= 3 and lin.max() >= 4 * max(lin.min(), 1.0):
+        a, b, c = _nonnegative_fit(np.stack([lin, quad, np.ones_like(lin)], 1), ys)
+    elif len(ns) >= 2:
+        (a, b), c = _nonnegative_fit(np.stack([lin, quad], 1), ys - c_fixed), c_fixed
+    else:  # one sample: the default law's shape, scaled to the measurement
         d = PrefillModel()
-        s = (ys[0] - c_fixed) / (d.a * x[0] + d.b * x[0] ** 2)
+        s = (ys[0] - c_fixed) / (d.a * lin[0] + d.b * quad[0])
         a, b, c = d.a * s, d.b * s, c_fixed
-    if b < 0 or a < 0:  # noise: keep the model monotonic
-        a, b = max(a, 0.0), max(b, 0.0)
-    return PrefillModel(float(a), float(b), float(c), source or f"fitted to {len(samples)} recompute runs at {ns} tokens")
+    lengths = sorted({k[0] for k in ns})
+    return PrefillModel(float(a), float(b), float(c), source or f"fitted to {len(samples)} runs at {lengths} tokens")
+
+
+def _nonnegative_fit(A, y) -> list[float]:
+    """Least squares with every coefficient >= 0 (a prefill never gets
+    faster with more tokens): the best of the unconstrained fits over each
+    subset of the columns whose coefficients all come out non-negative; with
+    two or three columns that is the exact non-negative least squares.
+
+    Clipping a plain fit's negative coefficient to 0 instead leaves the others
+    fitted for a term that is gone: on short prompts of similar length that
+    turned 2.4 ms per token into 1.8 s per request."""
+    import itertools
+
+    import numpy as np
+
+    k = A.shape[1]
+    best, best_err = [0.0] * k, float(np.sum(y * y))
+    for r in range(1, k + 1):
+        for cols in itertools.combinations(range(k), r):
+            coef = np.linalg.lstsq(A[:, cols], y, rcond=None)[0]
+            if (coef < 0).any():
+                continue
+            err = float(np.sum((A[:, cols] @ coef - y) ** 2))
+            if err < best_err:
+                full = [0.0] * k
+                for i, v in zip(cols, coef):
+                    full[i] = float(v)
+                best, best_err = full, err
+    return best
 
 
 def calibration_samples(path: str | Path) -> list[tuple[int, float]]:

@@ -15,9 +15,10 @@ Checks, per case and configuration:
                                       external hit tokens by tier)
     TTFT p50 of the measured phases   within 15% of the measured p50
 
-The prefill model is fitted to the recompute requests of the same run that
-ran alone in their engine (or ``--calibrate``/``--prefill``); the recompute
-rows therefore check the fit, not the simulator.
+The prefill model is fitted to the requests of the same run that had no
+connector (recompute, and the engine prefix cache: the part it did not hold)
+and ran alone in their engine (or ``--calibrate``/``--prefill``); those rows
+therefore check the fit, not the simulator, and say "(calibration)".
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ CONFIG_TIERS = {
     "recompute": (),
     "prefix-cache": (),
 }
+
+
+CALIBRATION_CONFIGS = ("recompute", "prefix-cache")
 
 
 @dataclass
@@ -109,7 +113,7 @@ def model_shape(name: str) -> ModelShape:
 def calibrate_run(path: str | Path, io: dict | None = None) -> tuple[cost.PrefillModel, dict[str, cost.TierIO]]:
     """Prefill law and per-tier load latency from a ``kvtier bench resume`` run.
 
-    The law is fitted to its recompute requests that ran alone; each tier's
+    The law is fitted to its requests without a connector that ran alone; each tier's
     latency is the median, over the hits it served alone, of the measured
     TTFT minus the law's prefill of the uncached tokens, the bytes over the
     tier's bandwidth and the copy into engine blocks."""
@@ -141,13 +145,18 @@ def calibrate_run(path: str | Path, io: dict | None = None) -> tuple[cost.Prefil
 
 
 def calibrate(groups: dict, fallback: cost.PrefillModel) -> cost.PrefillModel:
+    """The prefill law of the engine alone: fitted to the requests of the
+    configurations without a connector (recompute: whole prompts; the engine
+    prefix cache: what it did not hold, against the context it held) that
+    ran alone. Those rows of the validation therefore check the fit; the
+    kvtier rows are predicted from it."""
     samples = []
     for (cfg, _, _), recs in groups.items():
-        if cfg == "recompute":
-            samples += [(r["prompt_tokens"], r["ttft_s"]) for r in cost.alone(recs)]
+        if cfg in CALIBRATION_CONFIGS:
+            samples += [(r["prompt_tokens"], r.get("cached_tokens") or 0, r["ttft_s"]) for r in cost.alone(recs)]
     if not samples:
         return fallback
-    return cost.fit_prefill(samples, source=f"fitted to {len(samples)} recompute requests of the validated run")
+    return cost.fit_prefill(samples, source=f"fitted to {len(samples)} requests of the validated run without a connector")
 
 
 def _engine_blocks(recs: list[dict], description: str) -> int:
@@ -236,7 +245,7 @@ def format_rows(rows: list[Row], prefill: cost.PrefillModel) -> str:
         tiers = sorted(set(r.measured_hits) | set(r.predicted_hits))
         hits = ", ".join(f"{t} {round(r.measured_hits.get(t, 0))}/{r.predicted_hits.get(t, 0)}" for t in tiers) or "-"
         eng = f"{r.measured_engine}/{r.predicted_engine}"
-        note = " (calibration)" if r.config == "recompute" else ""
+        note = " (calibration)" if r.config in CALIBRATION_CONFIGS else ""
         verdict = ("hits equal" if r.hits_equal else "HITS DIFFER") + ", " + ("TTFT ok" if r.ttft_ok else "TTFT OFF")
         lines.append(f"{r.workload:<9}{r.case:>6}  {r.config:<18}{hits:<42}{eng:>17}"
                      f"{r.measured_p50:>9.3f}s/{r.predicted_p50:>7.3f}s{r.ttft_ratio:>7.2f}  {verdict}{note}")

@@ -46,6 +46,13 @@ _NOT_OURS = (errno.ELOOP, errno.ENOTDIR)  # a symlink or a file where a folder b
 # Objects larger than this are trusted with an allocation of their size only
 # after their header verified (real chunks are a few MiB to tens of MiB).
 _CHECK_HEADER_FIRST = 16 << 20
+# Buffered reads go in pieces this size: each small read returns as soon as
+# its pages are in, while the kernel's readahead fetches the next ones, so
+# the disk is kept busy and copying overlaps reading. One large read of a
+# whole object waits for all of it and was no faster than O_DIRECT on the
+# virtio disk where this was measured (pieces: 1.5-1.7 GB/s; whole-object
+# reads and O_DIRECT: 0.8-1.0 GB/s; docs/benchmarks.md).
+_BUFFERED_PIECE = 128 << 10
 _HOST = socket.gethostname().replace(".", "_")[:64] or "host"
 
 
@@ -56,7 +63,8 @@ class FileTierConfig:
     path: str = opt("", "directory for objects (required)")
     capacity: int = size_field(0, "bytes this tier may hold (required)")
     name: str = opt("", "tier name in metrics and logs (defaults to the kind)")
-    o_direct: bool = opt(True, "read with O_DIRECT into aligned buffers (falls back to buffered reads where unsupported)")
+    o_direct: bool = opt(False, "read with O_DIRECT into aligned buffers instead of buffered reads with readahead "
+                         "(`kvtier bench storage` measures both on your storage)")
     cold_reads: bool = opt(False, "drop each object from the page cache after reading it (benchmarks)")
     read_window_bytes: int = size_field(64 << 20, "bytes of reads in flight per load")
     io_threads: int = opt(16, "threads of this tier's I/O pool")
@@ -188,8 +196,12 @@ class ObjectDir:
             buf = pool.get(align_up(size))
             got = 0
             try:
+                if not direct:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
                 while got < size:
-                    n = os.preadv(fd, [buf[got:]], got)
+                    # O_DIRECT: one read to the aligned end of the buffer.
+                    end = len(buf) if direct else got + _BUFFERED_PIECE
+                    n = os.preadv(fd, [buf[got:end]], got)
                     if n <= 0:
                         break
                     got += n

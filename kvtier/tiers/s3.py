@@ -52,7 +52,7 @@ from typing import Any, Sequence
 
 from kvtier.buffers import align_up
 from kvtier.codec import HEADER_BLOCK, MAX_PAYLOAD, ChunkObject, decode
-from kvtier.config import ConfigError, opt, size_field
+from kvtier.config import ConfigError, check_watermarks, opt, size_field
 from kvtier.engine.executor import DELETE, MAINTENANCE, STORE, PriorityExecutor
 from kvtier.errors import CorruptObject
 from kvtier.keys import ChunkKey
@@ -142,12 +142,7 @@ class S3Config:
             )
         if self.gc_lease_s < 2:
             raise ConfigError(f"{prefix}gc_lease_s", "must be at least 2 seconds", "use e.g. 600")
-        if not 0 < self.low_watermark < self.high_watermark <= 1:
-            raise ConfigError(
-                f"{prefix}low_watermark",
-                f"need 0 < low_watermark ({self.low_watermark}) < high_watermark ({self.high_watermark}) <= 1",
-                "use e.g. low_watermark: 0.85, high_watermark: 0.95",
-            )
+        check_watermarks(prefix, self.low_watermark, self.high_watermark)
 
 
 @dataclass(frozen=True)
@@ -245,7 +240,7 @@ class S3Tier(PooledIO, Tier):
             client.head_bucket(Bucket=self.bucket)
             return
         except self._errors.ClientError as exc:
-            if _status(exc) not in (404, 400):
+            if s3lease.http_status(exc) not in (404, 400):
                 log.warning("tier %s: cannot check bucket %s: %s", self.name, self.bucket, _brief(exc))
                 return
         except self._errors.BotoCoreError as exc:
@@ -258,7 +253,7 @@ class S3Tier(PooledIO, Tier):
             client.create_bucket(**kw)
             log.info("tier %s: created bucket %s", self.name, self.bucket)
         except self._errors.ClientError as exc:
-            if _code(exc) not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+            if s3lease.error_code(exc) not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
                 log.warning("tier %s: cannot create bucket %s: %s", self.name, self.bucket, _brief(exc))
         except self._errors.BotoCoreError as exc:
             log.warning("tier %s: cannot create bucket %s: %s", self.name, self.bucket, exc)
@@ -280,7 +275,7 @@ class S3Tier(PooledIO, Tier):
         try:
             r = self._client().head_object(Bucket=self.bucket, Key=name)
         except self._errors.ClientError as exc:
-            if _status(exc) == 404:
+            if s3lease.http_status(exc) == 404:
                 return None
             raise
         return int(r["ContentLength"]), r["LastModified"].timestamp()
@@ -301,7 +296,7 @@ class S3Tier(PooledIO, Tier):
         try:
             r = self._client().get_object(Bucket=self.bucket, Key=name)
         except self._errors.ClientError as exc:
-            if _status(exc) == 404:
+            if s3lease.http_status(exc) == 404:
                 return None
             raise
         body = r["Body"]
@@ -373,7 +368,7 @@ class S3Tier(PooledIO, Tier):
                 Metadata={"kvtier-touched": str(int(time.time()))},
             )
         except self._errors.ClientError as exc:
-            if _status(exc) != 404:
+            if s3lease.http_status(exc) != 404:
                 raise
         finally:
             with self._lock:
@@ -463,14 +458,14 @@ class S3Tier(PooledIO, Tier):
                 self._client().put_object(IfNoneMatch="*", **kw)
                 return True
             except self._errors.ClientError as exc:
-                status = _status(exc)
+                status = s3lease.http_status(exc)
                 if status in (412, 409):  # exists / a concurrent conditional write won
                     return False
-                if status not in (400, 501) or _code(exc) in ("AccessDenied", "NoSuchBucket"):
+                if status not in (400, 501) or s3lease.error_code(exc) in ("AccessDenied", "NoSuchBucket"):
                     raise
                 # The server does not take If-None-Match on PUT: check-then-put
                 # from now on (a duplicate write publishes identical bytes).
-                log.info("tier %s: server refuses conditional puts (%s); using plain puts", self.name, _code(exc))
+                log.info("tier %s: server refuses conditional puts (%s); using plain puts", self.name, s3lease.error_code(exc))
                 self._conditional_put = False
         self._client().put_object(**kw)
         return True
@@ -648,20 +643,6 @@ class S3Tier(PooledIO, Tier):
 
     def close(self) -> None:
         self.executor.close()
-
-
-def _status(exc: Exception) -> int:
-    try:
-        return int(exc.response["ResponseMetadata"]["HTTPStatusCode"])  # type: ignore[attr-defined]
-    except (AttributeError, KeyError, TypeError, ValueError):
-        return 0
-
-
-def _code(exc: Exception) -> str:
-    try:
-        return str(exc.response["Error"]["Code"])  # type: ignore[attr-defined]
-    except (AttributeError, KeyError, TypeError):
-        return ""
 
 
 def _brief(exc: BaseException) -> str:

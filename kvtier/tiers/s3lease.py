@@ -66,7 +66,7 @@ def take(client: Any, bucket: str, name: str, lease_s: float) -> Lease | None:
         try:
             head = client.head_object(Bucket=bucket, Key=name)
         except client.exceptions.ClientError as exc:
-            if _status(exc) == 404:
+            if http_status(exc) == 404:
                 return None  # released meanwhile: the next pass takes it
             raise
         if not _stale(head, lease_s):
@@ -83,7 +83,7 @@ def release(client: Any, bucket: str, lease: Lease) -> bool:
     try:
         client.delete_object(Bucket=bucket, Key=lease.name, IfMatch=lease.etag)
     except client.exceptions.ClientError as exc:
-        if _status(exc) in (404, 409, 412):
+        if http_status(exc) in (404, 409, 412):
             return False
         raise
     return True
@@ -94,11 +94,11 @@ def _put(client: Any, bucket: str, name: str, body: bytes, **cond: str) -> str |
     try:
         r = client.put_object(Bucket=bucket, Key=name, Body=body, ContentType="application/json", **cond)
     except client.exceptions.ClientError as exc:
-        status = _status(exc)
+        status = http_status(exc)
         if status in (409, 412) or (status == 404 and "IfMatch" in cond):
             return None  # exists / changed / gone since we looked
         if status in (400, 501):
-            raise Unsupported(f"{_code(exc) or status}") from exc
+            raise Unsupported(f"{error_code(exc) or status}") from exc
         raise
     return r["ETag"]
 
@@ -110,14 +110,16 @@ def _stale(head: dict, lease_s: float) -> bool:
     return head["LastModified"].timestamp() + lease_s < now
 
 
-def _status(exc: Exception) -> int:
+def http_status(exc: Exception) -> int:
+    """The HTTP status of a botocore ClientError (0 if it has none)."""
     try:
         return int(exc.response["ResponseMetadata"]["HTTPStatusCode"])  # type: ignore[attr-defined]
     except (AttributeError, KeyError, TypeError, ValueError):
         return 0
 
 
-def _code(exc: Exception) -> str:
+def error_code(exc: Exception) -> str:
+    """The S3 error code of a botocore ClientError ("" if it has none)."""
     try:
         return str(exc.response["Error"]["Code"])  # type: ignore[attr-defined]
     except (AttributeError, KeyError, TypeError):

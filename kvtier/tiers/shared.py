@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from kvtier.config import ConfigError, opt
+from kvtier.config import check_watermarks, opt
 from kvtier.engine.executor import MAINTENANCE
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import TierStats
@@ -50,12 +50,7 @@ class SharedConfig(FileTierConfig):
 
     def validate(self, prefix: str = "") -> None:
         super().validate(prefix)
-        if not 0 < self.low_watermark < self.high_watermark <= 1:
-            raise ConfigError(
-                f"{prefix}low_watermark",
-                f"need 0 < low_watermark ({self.low_watermark}) < high_watermark ({self.high_watermark}) <= 1",
-                "use e.g. low_watermark: 0.85, high_watermark: 0.95",
-            )
+        check_watermarks(prefix, self.low_watermark, self.high_watermark)
 
 
 @dataclass(frozen=True)

@@ -39,8 +39,12 @@ def test_bench_storage_cli_writes_table_and_json(tmp_path):
     for key in ("fio_best_gbps", "cold_load_gbps", "memory_load_gbps", "memcpy_gbps"):
         assert r[key] > 0, key
     assert r["chunks"] == 16 and r["chunk_bytes"] == 3 << 20
-    assert set(r["fio"]) == {"qd1", "qd8"}
-    assert set(r["cold"]) == {"8MiB", "32MiB"}
+    assert set(r["fio"]) == {"qd1", "qd8", "buffered-128k"}
+    # Both read modes, each at every window: the operator sees which suits the storage.
+    assert set(r["cold"]) == {"8MiB", "32MiB", "8MiB buffered", "32MiB buffered"}
+    assert {v["read_mode"] for v in r["cold"].values()} == {"direct", "buffered"}
+    assert not any(v["o_direct"] for v in r["cold"].values() if v["read_mode"] == "buffered")
+    assert "kvtier cold load, window 8MiB buffered" in proc.stdout
     assert r["cold_load_gbps"] == max(v["median_gbps"] for v in r["cold"].values())
     assert r["fio_best_gbps"] == max(v["median_gbps"] for v in r["fio"].values())
     assert r["cold_vs_fio"] == pytest.approx(r["cold_load_gbps"] / r["fio_best_gbps"])
@@ -50,7 +54,7 @@ def test_bench_storage_cli_writes_table_and_json(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "kvtier.cli", "bench", "storage", "--dir", str(tmp_path / "d"), "--size", "48MiB",
          "--windows", "8MiB", "--fio-depths", "1", "--repeats", "1", "--memory", "24MiB", "--session-chunks", "8",
-         "--no-progress"],
+         "--read-modes", "buffered", "--no-progress"],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
@@ -71,6 +75,23 @@ def test_bench_storage_rejects_bad_flags(tmp_path):
     )
     assert proc.returncode == 2
     assert "size" in proc.stderr
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "bench", "storage", "--dir", str(tmp_path), "--read-modes", "mmap"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "direct and/or buffered" in proc.stderr
+
+
+@needs_fio
+def test_bench_storage_too_little_memory_is_said_plainly(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "bench", "storage", "--dir", str(tmp_path / "d"), "--size", "24MiB",
+         "--windows", "8MiB", "--fio-depths", "1", "--repeats", "1", "--memory", "4MiB", "--session-chunks", "4",
+         "--read-modes", "buffered", "--no-progress"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 1 and "holds no whole session" in proc.stderr and "Traceback" not in proc.stderr
 
 
 # ---------------------------------------------------------------- network tiers

@@ -63,6 +63,17 @@ def metrics() -> Metrics:
                 buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
                 registry=REGISTRY,
             )
+            _connector_counters["lookup_seconds"] = Histogram(
+                "kvtier_vllm_lookup_seconds",
+                "Time from submitting a request's lookup to its answer (scheduler; host-memory answers included)",
+                buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
+                registry=REGISTRY,
+            )
+            _connector_counters["lookup_deferred"] = Counter(
+                "kvtier_vllm_lookup_deferred",
+                "Scheduler steps a request waited for its lookup (each costs the request one engine step)",
+                registry=REGISTRY,
+            )
             _connector_counters["saved_chunks"] = Counter(
                 "kvtier_vllm_saved_chunks", "Chunks gathered from the engine and handed to the store", registry=REGISTRY
             )

@@ -13,6 +13,7 @@ far its KV is already in kvtier (``saved_upto``).
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future, TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
@@ -111,6 +112,7 @@ class KVTierScheduler:
             # usable end still serves its leading blocks.
             tokens = list(request.all_token_ids[: request.num_tokens])
             st.lookup_usable = usable
+            t0 = time.perf_counter()
             if self._all_in_memory(st.root, tokens):
                 # Answered from host memory alone: no I/O, no reason to defer.
                 st.lookup = Future()
@@ -118,9 +120,12 @@ class KVTierScheduler:
             else:
                 st.lookup = self._lookups.submit(LOAD, self._lookup, request.request_id, st.root, tokens, usable,
                                                  num_computed_tokens)
+            st.lookup.add_done_callback(
+                lambda _f, t0=t0: runtime.counter("lookup_seconds").observe(time.perf_counter() - t0))
         try:
             hit: _Hit = st.lookup.result(timeout=_LOOKUP_GRACE_S)
         except FutureTimeout:
+            runtime.counter("lookup_deferred").inc()
             return None, False
         except Exception as exc:  # a lookup must never fail a request
             log.warning("kvtier lookup failed for %s: %s", request.request_id, exc)

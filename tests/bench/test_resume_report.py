@@ -1,0 +1,42 @@
+"""The ratios and acceptance bars of `kvtier bench resume`, from made-up figures (no engine)."""
+from kvtier.bench.resume_report import _checks, _ratios
+
+
+def _w1(example_ttft: float) -> dict:
+    base = {"kvtier_read_bytes": 4e8, "requests": 4, "throughput_rps": 1.0}
+    return {
+        "recompute": {**base, "ttft_p50_s": 10.0},
+        "kvtier-memory": {**base, "ttft_p50_s": 0.5},
+        "kvtier-shared": {**base, "ttft_p50_s": 0.6},
+        "example": {**base, "ttft_p50_s": example_ttft},
+    }
+
+
+def test_w1_ratios_and_bars():
+    by = _w1(example_ttft=1.0)
+    r = _ratios("w1", by, {"best_gbps": 1.0})
+    assert r["speedup_shared_vs_recompute"] == 10.0 / 0.6
+    assert abs(r["load_vs_example"] - 0.1 / 0.5) < 1e-9
+    assert abs(r["floor_s"] - 0.6) < 1e-9  # memory 0.5 s + 100 MB per resume at 1 GB/s
+    c = _checks(r)
+    assert c["speedup_shared_vs_recompute"]["met"] is False  # 16.7x < 30x
+    assert c["load_vs_example"]["met"] is True and c["shared_over_floor"]["met"] is True
+    assert c["lower_ttft_than_example"]["met"] is True
+
+
+def test_example_load_in_the_noise_is_reported_not_divided():
+    by = _w1(example_ttft=0.49)  # faster than a memory hit: no load left to compare with
+    r = _ratios("w1", by, {"best_gbps": 1.0})
+    assert r["load_vs_example"] is None
+    c = _checks(r)["load_vs_example"]
+    assert c["met"] is None and "not measurable" in c["why"]
+    assert _checks(r)["lower_ttft_than_example"]["met"] is False
+
+
+def test_w0_overhead_is_the_median_of_paired_rounds():
+    by = {"prefix-cache": {"ttft_p50_s": 1.0, "throughput_rps_rounds": [1.0, 2.0, 4.0]},
+          "kvtier-shared": {"ttft_p50_s": 1.0, "throughput_rps_rounds": [0.99, 1.9, 4.4]}}
+    r = _ratios("w0", by, None)
+    assert r["w0_round_ratios"] == [0.99, 0.95, 1.1]
+    assert abs(r["w0_overhead"] - 0.01) < 1e-9
+    assert _checks(r)["w0_overhead"]["met"] is True
