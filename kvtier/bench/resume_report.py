@@ -25,6 +25,9 @@ BARS = {
 }
 
 
+SPEEDUP_FROM_TOKENS = 8192
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     if not xs:
@@ -85,7 +88,7 @@ def _figures(runs: list[dict]) -> dict:
     }
 
 
-def _ratios(workload: str, by: dict, fio: dict | None) -> dict:
+def _ratios(workload: str, by: dict, fio: dict | None, case: str = "") -> dict:
     """The ratios the bars are stated in, for one case."""
     out: dict = {}
     rec = by.get("recompute", {}).get("ttft_p50_s")
@@ -102,7 +105,9 @@ def _ratios(workload: str, by: dict, fio: dict | None) -> dict:
             if name.startswith("kvtier") and ex and ex > 0:
                 v["load_vs_example"] = v["load_s"] / ex
         sh = by.get("kvtier-shared")
-        if sh and sh["speedup_vs_recompute"]:
+        # The speedup bar is stated for long contexts (8k tokens and more);
+        # shorter ones show their speedup in the table only.
+        if sh and sh["speedup_vs_recompute"] and (not case.isdigit() or int(case) >= SPEEDUP_FROM_TOKENS):
             out["speedup_shared_vs_recompute"] = sh["speedup_vs_recompute"]
         if sh and "load_vs_example" in sh:
             out["load_vs_example"] = sh["load_vs_example"]
@@ -162,7 +167,7 @@ def summarise(cfg, runs: list[dict], fio: dict, unavailable: dict) -> dict:
         grouped.setdefault(r["case"], {}).setdefault(r["config"], []).append(r)
     for case, by_config in grouped.items():
         results[case] = {name: _figures(rs) for name, rs in by_config.items()}
-        ratios[case] = _ratios(cfg.workload, results[case], fio.get(case))
+        ratios[case] = _ratios(cfg.workload, results[case], fio.get(case), case)
     first = runs[0] if runs else {}
     return {
         "workload": cfg.workload.upper(),

@@ -236,7 +236,7 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def format_rows(rows: list[Row], prefill: cost.PrefillModel) -> str:
+def format_rows(rows: list[Row], prefill: cost.PrefillModel, self_calibrated: bool = True) -> str:
     lines = [f"prefill model: {prefill.a:.4g}*n + {prefill.b:.4g}*n^2 + {prefill.c:.3g} s ({prefill.source})", "",
              (f"{'workload':<9}{'case':>6}  {'configuration':<18}{'kvtier hit tokens: measured / simulated':<42}"
              f"{'engine m/s':>17}{'TTFT p50 m / s':>20}{'ratio':>7}  verdict")]
@@ -245,7 +245,7 @@ def format_rows(rows: list[Row], prefill: cost.PrefillModel) -> str:
         tiers = sorted(set(r.measured_hits) | set(r.predicted_hits))
         hits = ", ".join(f"{t} {round(r.measured_hits.get(t, 0))}/{r.predicted_hits.get(t, 0)}" for t in tiers) or "-"
         eng = f"{r.measured_engine}/{r.predicted_engine}"
-        note = " (calibration)" if r.config in CALIBRATION_CONFIGS else ""
+        note = " (calibration)" if self_calibrated and r.config in CALIBRATION_CONFIGS else ""
         verdict = ("hits equal" if r.hits_equal else "HITS DIFFER") + ", " + ("TTFT ok" if r.ttft_ok else "TTFT OFF")
         lines.append(f"{r.workload:<9}{r.case:>6}  {r.config:<18}{hits:<42}{eng:>17}"
                      f"{r.measured_p50:>9.3f}s/{r.predicted_p50:>7.3f}s{r.ttft_ratio:>7.2f}  {verdict}{note}")
@@ -273,7 +273,7 @@ def main(args) -> int:
         return 1
     if res is None:
         print(f"warning: no results.json beside {req}: measured per-tier hits unknown", file=sys.stderr)
-    print(format_rows(rows, model))
+    print(format_rows(rows, model, self_calibrated=prefill is None))
     if getattr(args, "calibrate", None) and Path(args.calibrate).resolve() in (Path(args.validate).resolve(), req.parent.resolve(), req.resolve()):
         print("\nnote: calibrated on the validated run itself: tier latencies were fitted to these very hits, "
               "so their TTFT agreement is by construction; calibrate on another run (e.g. W1 for W2)")

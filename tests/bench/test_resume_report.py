@@ -22,6 +22,9 @@ def test_w1_ratios_and_bars():
     assert c["speedup_shared_vs_recompute"]["met"] is False  # 16.7x < 30x
     assert c["load_vs_example"]["met"] is True and c["shared_over_floor"]["met"] is True
     assert c["lower_ttft_than_example"]["met"] is True
+    # The speedup bar is stated from 8k tokens on; shorter cases show the speedup only.
+    assert "speedup_shared_vs_recompute" not in _ratios("w1", _w1(1.0), {"best_gbps": 1.0}, "2048")
+    assert "speedup_shared_vs_recompute" in _ratios("w1", _w1(1.0), {"best_gbps": 1.0}, "8192")
 
 
 def test_example_load_in_the_noise_is_reported_not_divided():

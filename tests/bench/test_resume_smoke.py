@@ -45,7 +45,9 @@ def test_bench_resume_w1_smoke(tmp_path):
     # The floor and the ratios against it come from this run's own fio and memory-tier figures.
     assert s["fio"]["512"]["best_gbps"] > 0
     assert s["ratios"]["512"]["floor_s"] > by["kvtier-memory"]["ttft_p50_s"]
-    assert {"speedup_shared_vs_recompute", "shared_over_floor", "load_vs_example"} <= set(s["checks"]["512"])
+    assert {"shared_over_floor", "load_vs_example"} <= set(s["checks"]["512"])
+    # The 30x bar is stated for 8k tokens and more: at 512 the speedup is in the table only.
+    assert "speedup_shared_vs_recompute" not in s["checks"]["512"] and by["kvtier-shared"]["speedup_vs_recompute"] > 0
     # At 512 tokens Example's load can vanish in the noise: then the bar says so instead of dividing by it.
     assert (s["checks"]["512"]["load_vs_example"]["met"] is None) == (by["example"]["load_s"] <= 0)
     # The request log: one record per request of every configuration, warm phases included.

@@ -34,3 +34,15 @@ def test_coefficients_never_go_negative():
     err = sum((fit.seconds(n) - s) ** 2 for n, s in samples)
     clipped = PrefillModel(max(fit.a, 0), 0.0, 0.0)  # any other non-negative law fits worse, e.g. no intercept
     assert err < sum((clipped.seconds(n) - s) ** 2 for n, s in samples)
+
+
+def test_cached_context_samples_identify_the_per_request_term():
+    """A chat's whole prompts alone span too little to see c; with the
+    engine-prefix-cache requests (short suffixes against long contexts) the
+    computed lengths span enough, and the fit finds the law."""
+    law = PrefillModel(2e-3, 2e-7, 0.09)
+    whole = [(n, law.seconds(n)) for n in (600, 800, 1000, 1300, 1500)]
+    cached = [(n, h, law.seconds(n, h)) for n, h in ((800, 640), (1100, 1024), (1300, 1024), (1500, 1280))]
+    fit = fit_prefill(whole + cached)
+    assert fit.c == pytest.approx(law.c, rel=1e-3)
+    assert fit.seconds(1200, 1024) == pytest.approx(law.seconds(1200, 1024), rel=1e-3)

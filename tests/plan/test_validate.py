@@ -21,7 +21,11 @@ def test_a_run_that_follows_the_design_validates(tmp_path, capsys):
     assert mem.predicted_hits == {"memory": 3 * 896} and mem.measured_engine == mem.predicted_engine == 0
     assert abs(model.b - 3e-7) < 3e-8  # the fit found the law the run followed
     assert main(["plan", "--validate", str(d), "--calibrate", str(other)]) == 0
-    assert "validation passed" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    # Calibrated on another run: no row of this one is fitted, none says so.
+    assert "validation passed" in out and "(calibration)" not in out
+    assert main(["plan", "--validate", str(d)]) == 0
+    assert "(calibration)" in capsys.readouterr().out  # self-calibrated: recompute and prefix-cache rows are
 
 
 def test_a_hit_count_off_by_one_token_fails(tmp_path, capsys):
