@@ -49,6 +49,9 @@ class StorageBenchError(RuntimeError):
     message says which; the tier's log lines say why)."""
 
 
+READ_MODES = ("direct", "buffered")  # the file tiers' o_direct: true / false
+
+
 @dataclass(frozen=True)
 class StorageBenchConfig:
     directory: Path | None = None  # a directory to measure (fio + the shared tier) ...
@@ -59,7 +62,7 @@ class StorageBenchConfig:
     session_chunks: int = 32
     windows: tuple[int, ...] = (16 * MiB, 64 * MiB, 128 * MiB)
     fio_depths: tuple[int, ...] = (1, 8, 32)
-    read_modes: tuple[str, ...] = ("direct", "buffered")  # the file tiers' o_direct: true / false
+    read_modes: tuple[str, ...] = READ_MODES
     repeats: int = 3
     memory_bytes: int = 1 * GiB
     io_threads: int = 32
@@ -111,9 +114,6 @@ def _populate(tier, sessions: list[list[ChunkKey]], cfg: StorageBenchConfig, pro
             raise StorageBenchError(f"could not write benchmark data to {where} (full, or unreachable? see the log)")
         tick(n)
     return total
-
-
-READ_MODES = ("direct", "buffered")
 
 
 def _shared_spec(path: Path, capacity: int, window: int, threads: int, mode: str = "direct") -> TierSpec:

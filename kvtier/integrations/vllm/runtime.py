@@ -25,6 +25,8 @@ _stores: dict[StoreConfig, list] = {}  # config -> [store, refs]
 _prefetches: dict[str, Future] = {}
 _metrics: Metrics | None = None
 _connector_counters: dict = {}
+# Per-step work on the engine or scheduler thread: 0.1 ms to 1 s.
+_STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 
 
 def metrics() -> Metrics:
@@ -54,19 +56,19 @@ def metrics() -> Metrics:
             _connector_counters["scatter_seconds"] = Histogram(
                 "kvtier_vllm_scatter_seconds",
                 "Time spent copying loaded chunks into engine blocks per step (engine thread)",
-                buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
+                buckets=_STEP_BUCKETS,
                 registry=REGISTRY,
             )
             _connector_counters["save_seconds"] = Histogram(
                 "kvtier_vllm_save_seconds",
                 "Time spent gathering a step's finished chunks from the engine (in the forward's critical path)",
-                buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
+                buckets=_STEP_BUCKETS,
                 registry=REGISTRY,
             )
             _connector_counters["lookup_seconds"] = Histogram(
                 "kvtier_vllm_lookup_seconds",
                 "Time from submitting a request's lookup to its answer (scheduler; host-memory answers included)",
-                buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
+                buckets=_STEP_BUCKETS,
                 registry=REGISTRY,
             )
             _connector_counters["lookup_deferred"] = Counter(
