@@ -6,6 +6,7 @@ This is the limit kvtier's own reads are compared with, in the same run.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -15,8 +16,11 @@ class FioMissing(RuntimeError):
     pass
 
 
-def fio_seq_read(directory: Path, iodepth: int, size_bytes: int, block: str = "1M", direct: bool = True) -> float:
-    """Sequential read bandwidth in GB/s (10^9 bytes/s) of one fio job."""
+def fio_seq_read(directory: Path, iodepth: int, size_bytes: int, block: str = "1M", direct: bool = True,
+                 jobs: int = 1) -> float:
+    """Sequential read bandwidth in GB/s (10^9 bytes/s) of one fio job, or of
+    ``jobs`` streams at once, each reading a file of its own (``size_bytes``
+    in all), as kvtier's I/O threads read many objects at once."""
     exe = shutil.which("fio")
     if exe is None:
         raise FioMissing("fio is not installed: apt-get install fio (make demo/test install it)")
@@ -25,17 +29,23 @@ def fio_seq_read(directory: Path, iodepth: int, size_bytes: int, block: str = "1
         exe,
         "--name=kvtier-seqread",
         f"--directory={directory}",
-        "--filename=kvtier-fio.dat",
+        *(["--filename=kvtier-fio.dat"] if jobs == 1 else [f"--numjobs={jobs}", "--group_reporting"]),
         "--rw=read",
         f"--bs={block}",
         f"--direct={1 if direct else 0}",
         "--ioengine=libaio",
         f"--iodepth={iodepth}",
-        f"--size={size_bytes}",
+        f"--size={max(1 << 20, size_bytes // jobs)}",
         "--invalidate=1",
         "--output-format=json",
     ]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    # Lay the files out first and let them reach the disk: fio's own
+    # invalidation cannot drop pages still dirty from its lay-out, and a
+    # buffered job would then read its own writes from memory.
+    out = subprocess.run(cmd + ["--create_only=1"], capture_output=True, text=True, check=False)
+    if out.returncode == 0:
+        os.sync()
+        out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"fio failed ({out.returncode}): {out.stderr.strip()[:500]}")
     # fio may print warnings before the JSON document.
@@ -45,4 +55,7 @@ def fio_seq_read(directory: Path, iodepth: int, size_bytes: int, block: str = "1
 
 
 def remove_fio_file(directory: Path) -> None:
+    """Remove what ``fio_seq_read`` laid out under ``directory``."""
     (directory / "kvtier-fio.dat").unlink(missing_ok=True)
+    for p in directory.glob("kvtier-seqread.*"):
+        p.unlink(missing_ok=True)

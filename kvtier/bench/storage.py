@@ -5,7 +5,8 @@ In one run, on one directory:
 1. write ``size`` bytes of chunk objects shaped like a real model's KV
    (sessions of ``session_chunks`` chunks, prefix-chained keys);
 2. fio sequential reads: O_DIRECT at several queue depths, and buffered
-   128 KiB reads with the kernel's readahead (page cache dropped first); the
+   128 KiB reads with the kernel's readahead in up to 16 streams (one file
+   each, laid out and synced first, page cache dropped); the
    best of them is the storage limit;
 3. kvtier cold loads (page cache dropped, parallel within a byte window) at
    several window sizes and in both read modes (O_DIRECT and buffered), through
@@ -196,10 +197,11 @@ def run(cfg: StorageBenchConfig, progress: Progress = _no_progress, log: Callabl
     # both see the same device conditions (shared and virtual disks drift).
     fio_size = min(cfg.size_bytes, 2 * GiB)
     bufs = [alloc(cfg.model.bytes_per_token * cfg.chunk_tokens) for _ in range(cfg.session_chunks)]
-    # fio: O_DIRECT at each depth, and buffered 128 KiB reads (readahead).
-    fio_jobs = {f"qd{d}": (d, "1M", True) for d in cfg.fio_depths}
+    # fio: O_DIRECT at each depth, and buffered 128 KiB reads (readahead) in
+    # as many streams as kvtier reads objects at once (its I/O threads).
+    fio_jobs = {f"qd{d}": (d, "1M", True, 1) for d in cfg.fio_depths}
     if "buffered" in cfg.read_modes:
-        fio_jobs["buffered-128k"] = (1, "128k", False)
+        fio_jobs["buffered-128k"] = (1, "128k", False, min(cfg.io_threads, 16))
     fio_runs: dict[str, list[float]] = {j: [] for j in fio_jobs}
     variants = [(w, m) for m in cfg.read_modes for w in cfg.windows]
     cold_runs: dict[tuple, list[float]] = {v: [] for v in variants}
@@ -211,8 +213,8 @@ def run(cfg: StorageBenchConfig, progress: Progress = _no_progress, log: Callabl
     tick = progress("fio + cold loads", cfg.repeats * (len(fio_jobs) + len(variants) * len(sessions)))
     try:
         for _ in range(cfg.repeats):
-            for job, (depth, block, o_direct) in fio_jobs.items():
-                fio_runs[job].append(fio_seq_read(fio_dir, depth, fio_size, block=block, direct=o_direct))
+            for job, (depth, block, o_direct, streams) in fio_jobs.items():
+                fio_runs[job].append(fio_seq_read(fio_dir, depth, fio_size, block=block, direct=o_direct, jobs=streams))
                 tick(1)
             for variant, store in stores.items():
                 store.tier("shared").drop_cache()
@@ -223,6 +225,7 @@ def run(cfg: StorageBenchConfig, progress: Progress = _no_progress, log: Callabl
         for st in stores.values():
             st.close()
     result["fio"] = {j: {"runs_gbps": r, "median_gbps": _median(r)} for j, r in fio_runs.items()}
+    result["fio_streams"] = fio_jobs.get("buffered-128k", (0, "", False, 1))[3]
     result["fio_best_gbps"] = max(v["median_gbps"] for v in result["fio"].values())
     cold = {
         cold_label(w, m): {
@@ -329,7 +332,8 @@ def format_table(r: dict) -> str:
         "-" * 68,
     ]
     for job, v in r["fio"].items():
-        what = "fio seq read buffered 128KiB" if job.startswith("buffered") else "fio seq read O_DIRECT 1MiB " + job
+        what = (f"fio seq read buffered 128KiB x{r.get('fio_streams', 1)}" if job.startswith("buffered")
+                else "fio seq read O_DIRECT 1MiB " + job)
         lines.append(f"{what:<40}{v['median_gbps']:>8.2f}  {v['median_gbps'] / fio_best:>12.2f} x fio")
     for w, v in r["cold"].items():
         mark = " *" if w == r["cold_best_window"] else ""

@@ -107,13 +107,17 @@ class TieredStore:
         return Lookup(pos, sum(k.num_tokens for k in keys[:pos]), tuple(segments))
 
     # ------------------------------------------------------------ load
-    def fetch(self, keys: Sequence[ChunkKey], plan: Lookup | None = None) -> Iterator[ChunkObject]:
+    def fetch(self, keys: Sequence[ChunkKey], plan: Lookup | None = None,
+              promote: bool | None = None) -> Iterator[ChunkObject]:
         """Yield the verified objects of the leading chunks, in order.
 
         Reads of every segment start at once; iteration stops at the first
         chunk that could not be served (evicted since lookup, corrupt, slow).
+        What lower tiers return goes into the memory tier once the consumer
+        is done with it, if ``promote`` (default: the store's setting).
         """
         plan = plan if plan is not None else self.lookup(keys)
+        promote = self.config.promote if promote is None else promote
         streams = [
             (self._by_name[s.tier], s.stop - s.start, self._by_name[s.tier].fetch(keys[s.start : s.stop], self.config.load_timeout_s))
             for s in plan.segments
@@ -130,7 +134,7 @@ class TieredStore:
                         yield obj
                         # The consumer is done with it: now the memory tier may
                         # take it (and later evict and recycle it).
-                        if self.config.promote and self.memory is not None:
+                        if promote and self.memory is not None:
                             self.memory.store([obj])
                     finally:
                         obj.release()
@@ -159,16 +163,27 @@ class TieredStore:
             it.close()
         return n
 
-    def prefetch(self, keys: Sequence[ChunkKey]) -> Future:
-        """Start reading the prefix into the memory tier in the background.
-        The future's result is the number of chunks now in memory."""
-        return self._prefetcher.submit(LOAD, self._prefetch_now, list(keys))
+    def prefetch(self, keys: Sequence[ChunkKey]) -> Prefetch:
+        """Start reading the prefix into the memory tier in the background,
+        chunk by chunk (see ``Prefetch``)."""
+        pf = Prefetch(keys)
+        pf.future = self._prefetcher.submit(LOAD, self._prefetch_now, pf)
+        return pf
 
-    def _prefetch_now(self, keys: list[ChunkKey]) -> int:
-        n = 0
-        for _ in self.fetch(keys):
-            n += 1
-        return n
+    def _prefetch_now(self, pf: Prefetch) -> int:
+        it = self.fetch(pf.keys, promote=False)
+        try:
+            for obj in it:
+                # Into memory here, whatever ``promote`` says: a prefetch is
+                # asked for exactly that. Where memory refuses it (full of
+                # pinned chunks), the loader reads the rest itself.
+                if self.memory is not None and not self.memory.store([obj]):
+                    break
+                pf.advance()
+        finally:
+            it.close()
+            pf.end()
+        return pf.stored_count()
 
     # ------------------------------------------------------------ save
     def save(
@@ -261,3 +276,47 @@ class TieredStore:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class Prefetch:
+    """A read of ``keys`` into the memory tier, running in the background.
+
+    The loader of the same request need not wait for the whole of it: chunk
+    ``i`` is in memory once ``wait(i + 1)`` says so, so the engine copies the
+    first chunks while later ones are still being read. ``wait`` says False
+    once the prefetch ended without chunk ``i`` (a miss, a failed read,
+    memory full): the loader reads the rest itself then.
+    """
+
+    def __init__(self, keys: Sequence[ChunkKey]):
+        self.keys = list(keys)
+        self.future: Future | None = None
+        self._stored = 0
+        self._ended = False
+        self._cond = threading.Condition()
+
+    def advance(self) -> None:
+        with self._cond:
+            self._stored += 1
+            self._cond.notify_all()
+
+    def end(self) -> None:
+        with self._cond:
+            self._ended = True
+            self._cond.notify_all()
+
+    def stored_count(self) -> int:
+        with self._cond:
+            return self._stored
+
+    def wait(self, n: int, timeout: float | None = None) -> bool:
+        """Block until the first ``n`` keys are in memory (True) or the
+        prefetch ended short of them or ``timeout`` passed (False)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._stored >= n or self._ended, timeout)
+            return self._stored >= n
+
+    def result(self, timeout: float | None = None) -> int:
+        """Wait for the whole prefetch; the number of leading chunks it put in memory."""
+        assert self.future is not None
+        return self.future.result(timeout)

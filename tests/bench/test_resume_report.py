@@ -16,8 +16,13 @@ def test_w1_ratios_and_bars():
     by = _w1(example_ttft=1.0)
     r = _ratios("w1", by, {"best_gbps": 1.0})
     assert r["speedup_shared_vs_recompute"] == 10.0 / 0.6
-    assert abs(r["load_vs_example"] - 0.1 / 0.5) < 1e-9
     assert abs(r["floor_s"] - 0.6) < 1e-9  # memory 0.5 s + 100 MB per resume at 1 GB/s
+    # The bar's load is TTFT minus the floor: kvtier-shared sits on it (0 s),
+    # example 0.4 s above it. Reads included, it is 0.1 s against 0.5 s.
+    assert r["load_measure"] == "over_floor_s"
+    assert abs(by["example"]["over_floor_s"] - 0.4) < 1e-9
+    assert r["load_vs_example"] == 0.0
+    assert abs(r["load_incl_reads_vs_example"] - 0.1 / 0.5) < 1e-9
     c = _checks(r)
     assert c["speedup_shared_vs_recompute"]["met"] is False  # 16.7x < 30x
     assert c["load_vs_example"]["met"] is True and c["shared_over_floor"]["met"] is True
@@ -27,8 +32,25 @@ def test_w1_ratios_and_bars():
     assert "speedup_shared_vs_recompute" in _ratios("w1", _w1(1.0), {"best_gbps": 1.0}, "8192")
 
 
+def test_load_over_the_floor_divides_what_is_left_above_it():
+    by = _w1(example_ttft=1.0)
+    by["kvtier-shared"]["ttft_p50_s"] = 0.7  # 0.1 s above the 0.6 s floor; example 0.4 s
+    r = _ratios("w1", by, {"best_gbps": 1.0})
+    assert abs(r["load_vs_example"] - 0.1 / 0.4) < 1e-9
+    assert _checks(r)["load_vs_example"]["met"] is True
+    by["kvtier-shared"]["ttft_p50_s"] = 0.85  # 0.25 s above it: more than half of example's
+    assert _checks(_ratios("w1", by, {"best_gbps": 1.0}))["load_vs_example"]["met"] is False
+
+
+def test_without_fio_the_load_is_measured_over_a_memory_hit():
+    by = _w1(example_ttft=1.0)
+    r = _ratios("w1", by, None)
+    assert r["load_measure"] == "load_s" and "floor_s" not in r
+    assert abs(r["load_vs_example"] - 0.1 / 0.5) < 1e-9
+
+
 def test_example_load_in_the_noise_is_reported_not_divided():
-    by = _w1(example_ttft=0.49)  # faster than a memory hit: no load left to compare with
+    by = _w1(example_ttft=0.59)  # under the floor (0.6 s): no load left to compare with
     r = _ratios("w1", by, {"best_gbps": 1.0})
     assert r["load_vs_example"] is None
     c = _checks(r)["load_vs_example"]

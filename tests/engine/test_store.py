@@ -146,6 +146,44 @@ def test_prefetch_fills_the_memory_tier(open_store):
     assert store.tier("memory").lookup(c.keys) == 6
 
 
+def test_prefetch_says_when_each_chunk_is_in_memory(open_store):
+    """A loader takes chunk i as soon as the prefetch stored it, while later
+    chunks are still being read."""
+    store = open_store(tiers=("memory", "disk"))
+    c = make_chunks(6)
+    disk = store.tier("disk")
+    disk.store(c.objs)
+    gate = threading.Event()
+    read = disk._read_one
+
+    def slow_after_three(key):
+        if c.keys.index(key) >= 3:
+            assert gate.wait(10)
+        return read(key)
+
+    disk._read_one = slow_after_three
+    pf = store.prefetch(c.keys)
+    assert pf.wait(3, timeout=10)
+    assert store.tier("memory").lookup(c.keys[:3]) == 3
+    assert not pf.wait(4, timeout=0.2)  # chunk 3 is held back: not there yet
+    assert pf.stored_count() == 3
+    gate.set()
+    assert pf.wait(6, timeout=10)
+    assert pf.result(10) == 6
+
+
+def test_prefetch_that_stops_short_ends_every_wait(open_store):
+    store = open_store(tiers=("memory", "disk"))
+    c = make_chunks(6)
+    store.tier("disk").store(c.objs[:2])  # chunks 2-5 are nowhere
+    pf = store.prefetch(c.keys)
+    t0 = time.monotonic()
+    assert pf.wait(2, timeout=10)
+    assert not pf.wait(3, timeout=10)
+    assert time.monotonic() - t0 < 5  # answered when the prefetch ended, not at the timeout
+    assert pf.result(10) == 2
+
+
 # ---------------------------------------------------------------- save
 
 

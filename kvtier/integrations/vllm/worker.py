@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
@@ -96,38 +95,74 @@ class KVTierWorker:
         valid until they are copied into the engine. With ``flight`` (an
         asynchronous load) each chunk is handed over as it arrives, so that
         the engine thread copies the first chunks while later ones are read;
-        nothing is returned then."""
+        nothing is returned then.
+
+        Chunks the prefetch started at lookup brings into memory are taken
+        from memory one by one as it stores them (no second read, and no
+        waiting for the whole prefetch); the rest, if it stopped short, is
+        read here."""
         t0 = time.perf_counter()
         prefetch = runtime.pop_prefetch(job.req_id)
-        if prefetch is not None:
-            try:  # let the prefetch started at lookup finish: no second read
-                prefetch.result(timeout=self.settings.store.load_timeout_s)
-            except (FutureTimeout, Exception):
-                pass
         objs: list[ChunkObject] = []
-        it = self.store.fetch([c.key for c in job.chunks])
+        block = self.settings.block_size
+
+        def take(c, obj: ChunkObject) -> bool:
+            shape = self.layout.chunk_shape(c.key.num_tokens // block)
+            h = obj.header
+            if h.shape != shape or h.dtype != self.settings.kv_dtype:
+                log.warning("kvtier: chunk %s has shape %s %s, expected %s %s; recomputing",
+                            c.key.hex[:16], h.shape, h.dtype, shape, self.settings.kv_dtype)
+                return False
+            if flight is None:
+                objs.append(obj.retain())
+                return True
+            with self._lock:
+                flight.arrived.append(obj.retain())
+            self._arrived.set()
+            return True
+
         try:
-            for c, obj in zip(job.chunks, it):
-                shape = self.layout.chunk_shape(c.key.num_tokens // self.settings.block_size)
-                h = obj.header
-                if h.shape != shape or h.dtype != self.settings.kv_dtype:
-                    log.warning("kvtier: chunk %s has shape %s %s, expected %s %s; recomputing",
-                                c.key.hex[:16], h.shape, h.dtype, shape, self.settings.kv_dtype)
-                    break
-                if flight is None:
-                    objs.append(obj.retain())
-                    continue
-                with self._lock:
-                    flight.arrived.append(obj.retain())
-                self._arrived.set()
+            done, go_on = 0, True
+            if prefetch is not None:
+                done, go_on = self._take_prefetched(job, prefetch, take)
+            if go_on and done < len(job.chunks):
+                it = self.store.fetch([c.key for c in job.chunks[done:]])
+                try:
+                    for c, obj in zip(job.chunks[done:], it):
+                        if not take(c, obj):
+                            break
+                finally:
+                    it.close()
         except BaseException:
             for o in objs:
                 o.release()
             raise
-        finally:
-            it.close()
         runtime.counter("load_seconds").observe(time.perf_counter() - t0)
         return objs
+
+    def _take_prefetched(self, job: LoadJob, prefetch, take) -> tuple[int, bool]:
+        """Hand over the job's leading chunks from memory, each as soon as
+        ``prefetch`` has stored it there (chunks it does not read were in
+        memory at lookup). Returns how many were handed over, and whether to
+        go on with the rest (False: a chunk was refused)."""
+        index = {k.digest: i for i, k in enumerate(prefetch.keys)}
+        deadline = time.monotonic() + self.settings.store.load_timeout_s
+        done = 0
+        for c in job.chunks:
+            i = index.get(c.key.digest)
+            if i is not None and not prefetch.wait(i + 1, max(0.0, deadline - time.monotonic())):
+                break
+            it = self.store.fetch([c.key])
+            try:
+                obj = next(it, None)
+                if obj is None:
+                    break
+                if not take(c, obj):
+                    return done, False
+            finally:
+                it.close()
+            done += 1
+        return done, True
 
     def _read_ended(self, flight: _InFlight, fut) -> None:
         """The loader is done with ``flight`` (loader thread): whatever did
