@@ -12,6 +12,11 @@ import subprocess
 from pathlib import Path
 
 
+# Streams of the buffered job the benchmarks run: kvtier's file tiers read
+# with 16 I/O threads by default, many objects at once.
+BUFFERED_STREAMS = 16
+
+
 class FioMissing(RuntimeError):
     pass
 

@@ -54,7 +54,6 @@ ALL_CONFIGS = CONFIGS + ("kvtier-local-disk",)
 WORKLOADS = ("w1", "w2", "w3", "w0")
 BLOCK = 128
 CHUNK = 256
-FIO_STREAMS = 16  # the file tiers' default io_threads
 
 # Peers that need CUDA. On a CUDA host ``--configs`` may name them; elsewhere
 # they are reported with the reason, never silently dropped.
@@ -330,16 +329,16 @@ def _sum_metrics(dicts) -> dict:
 def _fio(store: Path, log) -> dict:
     """Sequential read bandwidth of the storage under the shared tier: the
     best of O_DIRECT 1 MiB reads at a few queue depths and of buffered
-    128 KiB reads in ``FIO_STREAMS`` streams at once (how kvtier's file tiers
+    128 KiB reads in ``BUFFERED_STREAMS`` streams at once (how kvtier's file tiers
     read by default), measured right after that configuration ran."""
-    from kvtier.bench.fio import FioMissing, fio_seq_read, remove_fio_file
+    from kvtier.bench.fio import BUFFERED_STREAMS, FioMissing, fio_seq_read, remove_fio_file
 
     try:
         used = sum(p.stat().st_size for p in store.rglob("*.kvc"))
         size = max(64 << 20, min(used, 1 << 30))
         bws = {f"qd{d}": fio_seq_read(store, d, size) for d in (1, 8, 32)}
-        bws[f"buffered-128k-x{FIO_STREAMS}"] = fio_seq_read(store, 1, size, block="128k", direct=False,
-                                                            jobs=FIO_STREAMS)
+        bws[f"buffered-128k-x{BUFFERED_STREAMS}"] = fio_seq_read(store, 1, size, block="128k", direct=False,
+                                                                 jobs=BUFFERED_STREAMS)
         return {"gbps_by_job": bws, "best_gbps": max(bws.values()), "size_bytes": size}
     except (FioMissing, RuntimeError, OSError) as exc:
         log(f"fio skipped: {exc}")

@@ -35,7 +35,7 @@ from kvtier.codec import ChunkObject, encode
 from kvtier.config import StoreConfig, TierSpec
 from kvtier.engine.store import TieredStore
 from kvtier.keys import ChunkKey, Namespace, chunk_keys
-from kvtier.bench.fio import fio_seq_read, remove_fio_file
+from kvtier.bench.fio import BUFFERED_STREAMS, fio_seq_read, remove_fio_file
 from kvtier.bench.models import ModelShape
 from kvtier.tiers.memory import MemoryConfig
 from kvtier.tiers.shared import SharedConfig, SharedTier
@@ -199,9 +199,10 @@ def run(cfg: StorageBenchConfig, progress: Progress = _no_progress, log: Callabl
     bufs = [alloc(cfg.model.bytes_per_token * cfg.chunk_tokens) for _ in range(cfg.session_chunks)]
     # fio: O_DIRECT at each depth, and buffered 128 KiB reads (readahead) in
     # as many streams as kvtier reads objects at once (its I/O threads).
+    streams = min(cfg.io_threads, BUFFERED_STREAMS)
     fio_jobs = {f"qd{d}": (d, "1M", True, 1) for d in cfg.fio_depths}
     if "buffered" in cfg.read_modes:
-        fio_jobs["buffered-128k"] = (1, "128k", False, min(cfg.io_threads, 16))
+        fio_jobs["buffered-128k"] = (1, "128k", False, streams)
     fio_runs: dict[str, list[float]] = {j: [] for j in fio_jobs}
     variants = [(w, m) for m in cfg.read_modes for w in cfg.windows]
     cold_runs: dict[tuple, list[float]] = {v: [] for v in variants}
@@ -225,7 +226,7 @@ def run(cfg: StorageBenchConfig, progress: Progress = _no_progress, log: Callabl
         for st in stores.values():
             st.close()
     result["fio"] = {j: {"runs_gbps": r, "median_gbps": _median(r)} for j, r in fio_runs.items()}
-    result["fio_streams"] = fio_jobs.get("buffered-128k", (0, "", False, 1))[3]
+    result["fio_streams"] = streams
     result["fio_best_gbps"] = max(v["median_gbps"] for v in result["fio"].values())
     cold = {
         cold_label(w, m): {

@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import atexit
 import threading
-from concurrent.futures import Future
 
 from prometheus_client import REGISTRY, Counter, Histogram
 
 from kvtier.config import StoreConfig
-from kvtier.engine.store import TieredStore
+from kvtier.engine.store import Prefetch, TieredStore
 from kvtier.metrics import Metrics
 
 _lock = threading.Lock()
 _stores: dict[StoreConfig, list] = {}  # config -> [store, refs]
-_prefetches: dict[str, Future] = {}
+_prefetches: dict[str, Prefetch] = {}
 _metrics: Metrics | None = None
 _connector_counters: dict = {}
 # Per-step work on the engine or scheduler thread: 0.1 ms to 1 s.
@@ -111,12 +110,12 @@ def release(store: TieredStore) -> None:
     store.close()
 
 
-def set_prefetch(req_id: str, fut: Future) -> None:
+def set_prefetch(req_id: str, fut: Prefetch) -> None:
     with _lock:
         _prefetches[req_id] = fut
 
 
-def pop_prefetch(req_id: str) -> Future | None:
+def pop_prefetch(req_id: str) -> Prefetch | None:
     with _lock:
         return _prefetches.pop(req_id, None)
 
