@@ -145,3 +145,27 @@ def chunk_keys(ns: Namespace, tokens: Sequence[int], *, ns_digest: bytes | None 
         prev = next_key(prev, tokens[start : start + ns.chunk_tokens])
         out.append(prev)
     return out
+
+
+def shard_key(key: ChunkKey, rank: int, tp_size: int) -> ChunkKey:
+    """The key of tensor-parallel rank ``rank``'s shard of chunk ``key``.
+
+    Under tensor parallelism every rank holds other KV heads of the same
+    tokens, so each rank's shard is an object of its own. The scheduler
+    computes one chain for the whole TP group (the namespace's ``tp_size``
+    pins the group's size); every rank names and checks its shard by this
+    derivation, so that two ranks' shards never share a name, a check or a
+    namespace digest (a rank reading another's shard fails verification).
+    ``tp_size == 1`` is the chain itself: a single rank holds all heads.
+    """
+    if tp_size == 1:
+        return key
+    if not 0 <= rank < tp_size:
+        raise ValueError(f"rank {rank} not in [0, {tp_size})")
+    tag = _field(b"kvtier-shard") + _field(_U64.pack(tp_size)) + _field(_U64.pack(rank))
+    return ChunkKey(
+        hashlib.sha256(tag + _field(_full_digest(key))).digest(),
+        hashlib.blake2b(tag + _field(key.check), digest_size=CHECK_BYTES).digest(),
+        hashlib.sha256(tag + _field(key.ns)).digest(),
+        key.num_tokens,
+    )

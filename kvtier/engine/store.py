@@ -76,7 +76,9 @@ class TieredStore:
                 t.close()
             raise
         self._by_name = {t.name: t for t in self.tiers}
-        self.memory: Tier | None = next((t for t in self.tiers if not t.persistent), None)
+        # The memory level: the first tier in host DRAM (process-local or
+        # node-wide); what lower tiers return is promoted into it.
+        self.memory: Tier | None = next((t for t in self.tiers if t.host_memory), None)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified as write-through jobs finish
         self._pending: set[Future] = set()
@@ -134,7 +136,7 @@ class TieredStore:
                         yield obj
                         # The consumer is done with it: now the memory tier may
                         # take it (and later evict and recycle it).
-                        if promote and self.memory is not None:
+                        if promote and self.memory is not None and tier is not self.memory:
                             self.memory.store([obj])
                     finally:
                         obj.release()
@@ -210,7 +212,7 @@ class TieredStore:
         if self.memory is not None:
             self.memory.store(objs)
         for tier in self.tiers:
-            if tier.persistent:
+            if tier is not self.memory and tier.persistent:
                 self._write_through(tier, objs)
         return len(objs)
 

@@ -17,7 +17,9 @@ Objects yielded by ``fetch`` are lent: valid until the consumer resumes the
 iterator. A persistent tier hands each object over with its reference (the
 consumer calls ``release`` when done, or ``retain`` to keep it longer); the
 memory tier keeps its own reference and pins the entry while it is lent.
-``persistent`` tells which. Buffers passed to ``load`` belong to the caller and
+``persistent`` tells which. ``host_memory`` marks the tiers that keep chunks
+in host DRAM (the process-local ``memory`` tier, the node-wide ``shm`` tier):
+the store's first such tier is its memory level. Buffers passed to ``load`` belong to the caller and
 are only written before ``load`` returns.
 """
 
@@ -47,6 +49,9 @@ class Tier(abc.ABC):
     kind: ClassVar[str]
     Config: ClassVar[type]
     persistent: ClassVar[bool] = True
+    # Chunks held in host DRAM: the store's memory level (promotion and
+    # prefetch target; the vLLM connector copies such hits in synchronously).
+    host_memory: ClassVar[bool] = False
 
     def __init__(
         self,

@@ -239,34 +239,33 @@ class ObjectDir:
     # ------------------------------------------------------------ write
     def write(self, obj: ChunkObject, key: ChunkKey, fsync: bool) -> None:
         """Publish ``obj`` atomically under ``key``'s name."""
-        parts, name = self._rel(key)
+        w = self.begin_write()
+        try:
+            w.fill(obj, fsync)
+            w.publish(key)
+        except BaseException:
+            w.abort()
+            raise
+
+    def begin_write(self, size: int = 0) -> "PendingWrite":
+        """A temp file in ``tmp/``, ``size`` bytes long from the start (a
+        caller that accounts for writes in flight counts them by their temp
+        files' sizes). Fill it, then publish it under a key, or abort it."""
         tmp = f"{_HOST}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
         tdir = self._open_dir(("tmp",), create=True)
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=tdir)
             try:
-                try:
-                    view = obj.buf
-                    done = 0
-                    while done < view.nbytes:
-                        done += os.write(fd, view[done:])
-                    if fsync:
-                        os.fsync(fd)
-                finally:
-                    os.close(fd)
-                ddir = self._open_dir(parts, create=True)
-                try:
-                    os.rename(tmp, name, src_dir_fd=tdir, dst_dir_fd=ddir)
-                finally:
-                    os.close(ddir)
+                if size:
+                    os.ftruncate(fd, size)
             except BaseException:
-                try:
-                    os.unlink(tmp, dir_fd=tdir)
-                except OSError:
-                    pass
+                os.close(fd)
+                _unlink_at(tdir, tmp)
                 raise
-        finally:
+        except BaseException:
             os.close(tdir)
+            raise
+        return PendingWrite(self, tdir, fd, tmp)
 
     def exists(self, key: ChunkKey) -> bool:
         # A plain stat (one round trip on a network mount). It may follow a
@@ -348,6 +347,24 @@ class ObjectDir:
 
         return self._sweep("tmp", dead_or_old)
 
+    def tmp_bytes(self) -> int:
+        """Bytes of the temp files now in ``tmp/`` (writes in flight)."""
+        try:
+            dfd = self._open_dir(("tmp",))
+        except OSError:
+            return 0
+        total = 0
+        try:
+            with os.scandir(dfd) as it:
+                for entry in it:
+                    try:
+                        total += entry.stat(follow_symlinks=False).st_size
+                    except FileNotFoundError:
+                        continue
+        finally:
+            os.close(dfd)
+        return total
+
     def sweep_quarantine(self, max_age_s: float) -> int:
         """Remove quarantined objects older than ``max_age_s``."""
         now = time.time()
@@ -411,6 +428,46 @@ class ObjectDir:
             finally:
                 os.close(fd)
         return n
+
+
+class PendingWrite:
+    """One object being written to ``tmp/`` (see ``ObjectDir.begin_write``).
+    Owned by the thread that began it; ``publish`` or ``abort`` ends it."""
+
+    def __init__(self, odir: ObjectDir, tdir: int, fd: int, name: str):
+        self._odir, self._tdir, self._fd, self.name = odir, tdir, fd, name
+
+    def fill(self, obj: ChunkObject, fsync: bool) -> None:
+        view = obj.buf
+        done = 0
+        while done < view.nbytes:
+            done += os.pwrite(self._fd, view[done:], done)
+        if fsync:
+            os.fsync(self._fd)
+
+    def publish(self, key: ChunkKey) -> None:
+        """Rename into place: readers see the whole object from now on."""
+        self._close_fd()
+        parts, name = self._odir._rel(key)
+        ddir = self._odir._open_dir(parts, create=True)
+        try:
+            os.rename(self.name, name, src_dir_fd=self._tdir, dst_dir_fd=ddir)
+        finally:
+            os.close(ddir)
+        os.close(self._tdir)
+        self._tdir = -1
+
+    def abort(self) -> None:
+        self._close_fd()
+        if self._tdir >= 0:
+            _unlink_at(self._tdir, self.name)
+            os.close(self._tdir)
+            self._tdir = -1
+
+    def _close_fd(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 def _is_hex(name: str, length: int) -> bool:

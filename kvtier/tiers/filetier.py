@@ -56,6 +56,11 @@ class FileTier(PooledIO, Tier):
     def _exists(self, key: ChunkKey) -> bool:
         return self.dir.exists(key)
 
+    def _quarantine(self, key: ChunkKey) -> None:
+        """``key``'s object failed verification: move it aside."""
+        self.dir.quarantine(key)
+        self._forget(key)
+
     # ------------------------------------------------------------ contract
     def _read_one(self, key: ChunkKey) -> ChunkObject | None:
         t0 = time.perf_counter()
@@ -67,8 +72,7 @@ class FileTier(PooledIO, Tier):
         except CorruptObject as exc:
             log.warning("tier %s: object %s failed verification (%s); quarantined", self.name, key.hex[:16], exc)
             self.metrics.corrupt()
-            self.dir.quarantine(key)
-            self._forget(key)
+            self._quarantine(key)
             return None
         h = obj.header
         self._bytes_per_token = max(1, obj.nbytes // max(1, h.num_tokens))

@@ -42,6 +42,7 @@ class MemoryTier(Tier):
     kind = "memory"
     Config = MemoryConfig
     persistent = False
+    host_memory = True
 
     def __init__(self, config: MemoryConfig, metrics=None, breaker=None, pool=None):
         super().__init__(config, metrics, breaker, pool)

@@ -14,6 +14,7 @@ from kvtier.errors import ConfigError
 # kind -> (module, class, pip extra needed or None)
 _KINDS: dict[str, tuple[str, str, str | None]] = {
     "memory": ("kvtier.tiers.memory", "MemoryTier", None),
+    "shm": ("kvtier.tiers.shm", "ShmTier", None),
     "disk": ("kvtier.tiers.disk", "DiskTier", None),
     "shared": ("kvtier.tiers.shared", "SharedTier", None),
     "redis": ("kvtier.tiers.redis", "RedisTier", "redis"),
@@ -21,7 +22,7 @@ _KINDS: dict[str, tuple[str, str, str | None]] = {
 }
 
 # URL location field per kind: what ``kind://LOCATION`` fills in.
-_LOCATION_FIELD = {"memory": None, "disk": "path", "shared": "path", "redis": "address", "s3": "location"}
+_LOCATION_FIELD = {"memory": None, "shm": "path", "disk": "path", "shared": "path", "redis": "address", "s3": "location"}
 _ALIASES = {"file": "shared", "dir": "shared"}
 
 
