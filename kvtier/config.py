@@ -146,6 +146,8 @@ class StoreConfig:
     breaker_cooldown_s: float = opt(10.0, "seconds a tripped tier is skipped before one probe call")
     promote: bool = opt(True, "keep chunks loaded from lower tiers in the memory tier")
     buffer_pool_bytes: int = size_field(256 * MiB, "recycled read buffers kept per store (saves page faults on cold reads)")
+    node_memory_dir: str = opt("", "tmpfs folder where the vLLM connector keeps memory tiers, one for every process "
+                               "of the node (default /dev/shm/kvtier-UID)")
 
     def validate(self, prefix: str = "") -> None:
         if self.chunk_tokens <= 0:

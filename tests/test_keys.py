@@ -177,3 +177,22 @@ def test_token_id_bounds_are_accepted():
 def test_invalid_namespace_is_refused(change):
     with pytest.raises(ValueError):
         dataclasses.replace(GOLDEN_NS, **change)
+
+
+def test_tp_ranks_shards_of_one_chunk_never_share_a_name_check_or_namespace():
+    from kvtier.keys import shard_key
+
+    ns = Namespace("m", "fp", "float16", "l", 2, 4, 8, tp_size=4)
+    chain = chunk_keys(ns, list(range(600)))
+    for key in chain:
+        shards = [shard_key(key, r, 4) for r in range(4)]
+        assert len({s.digest for s in shards} | {key.digest}) == 5
+        assert len({s.check for s in shards} | {key.check}) == 5
+        assert len({s.ns for s in shards} | {key.ns}) == 5
+        assert all(s.num_tokens == key.num_tokens for s in shards)
+        assert shards == [shard_key(key, r, 4) for r in range(4)]  # deterministic
+    # Another TP size's shards are other objects too (heads per rank differ).
+    assert shard_key(chain[0], 0, 2).digest != shard_key(chain[0], 0, 4).digest
+    assert shard_key(chain[0], 0, 1) == chain[0]  # one rank holds every head
+    with pytest.raises(ValueError):
+        shard_key(chain[0], 4, 4)

@@ -136,7 +136,7 @@ def _engine(cfg: ResumeConfig, workload: wl.Workload, name: str) -> dict:
 
 
 def _spec(cfg: ResumeConfig, name: str, label: str, workload: wl.Workload, model_dir: Path,
-          instance: int, barrier: Path | None) -> dict:
+          instance: int, barrier: Path | None, node_memory: str = "") -> dict:
     store = cfg.workdir / "stores" / f"{cfg.workload}-{name}-{label}"
     engine = _engine(cfg, workload, name)
     tiers = {
@@ -146,6 +146,8 @@ def _spec(cfg: ResumeConfig, name: str, label: str, workload: wl.Workload, model
         "kvtier-shared": [{"kind": "shared", "path": str(store), "capacity": "32GiB"}],
     }
     kvtier = {"chunk_tokens": CHUNK, "tiers": tiers[name]} if name in tiers else None
+    if kvtier is not None and node_memory:
+        kvtier["node_memory_dir"] = node_memory  # this run's node memory, shared by its instances
     cold: dict = {}
     if name in ("kvtier-shared", "kvtier-local-disk"):
         cold = {"drop_page_cache": True}
@@ -250,6 +252,9 @@ def _run_config(cfg: ResumeConfig, name: str, label: str, workload: wl.Workload,
     shutil.rmtree(store, ignore_errors=True)
     k = workload.instances
     cpus = sorted(os.sched_getaffinity(0))
+    # The node's memory tier lives in tmpfs beyond this run unless removed:
+    # each run gets a fresh one (its instances share it, as on one node).
+    node_memory = tempfile.mkdtemp(prefix="kvtier-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     with tempfile.TemporaryDirectory() as tmp:
         barrier = Path(tmp) / "barrier" if k > 1 else None
         if barrier:
@@ -257,7 +262,7 @@ def _run_config(cfg: ResumeConfig, name: str, label: str, workload: wl.Workload,
         procs = []
         for i in range(k):
             spec_path, out_path = Path(tmp) / f"spec-{i}.json", Path(tmp) / f"out-{i}.json"
-            spec_path.write_text(json.dumps(_spec(cfg, name, label, workload, model_dir, i, barrier)))
+            spec_path.write_text(json.dumps(_spec(cfg, name, label, workload, model_dir, i, barrier, node_memory)))
             env = engine_env()
             if name == "lmcache":
                 env.update(LMCACHE_CHUNK_SIZE=str(CHUNK), LMCACHE_LOCAL_CPU="True", LMCACHE_MAX_LOCAL_CPU_SIZE="8")
@@ -286,6 +291,7 @@ def _run_config(cfg: ResumeConfig, name: str, label: str, workload: wl.Workload,
                     p.kill()
                     p.wait()
                 f.close()
+            shutil.rmtree(node_memory, ignore_errors=True)
     records = [rec for o in outs for rec in o["records"]]
     measured = {p.name for p in workload.phases if p.measured}
     spans: dict[str, list[float]] = {}

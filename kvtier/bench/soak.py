@@ -51,6 +51,7 @@ import signal
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import zlib
@@ -126,6 +127,8 @@ def run(workdir: Path, requests: int = 60, sessions: int = 5, seed: int = 0, fau
         raise ValueError(f"reference must be 'engine' or 'salted', not {reference!r}")
 
     mounted, redis = [], None
+    # The node memory tier of this soak alone (it is shared by whatever opens its folder).
+    node_memory = tempfile.mkdtemp(prefix="kvtier-soak-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     dirs = {"disk": workdir / "disk", "shared": workdir / "shared"}
     for name, size in (("disk", "48m"), ("shared", "96m")):
         dirs[name].mkdir()
@@ -145,7 +148,7 @@ def run(workdir: Path, requests: int = 60, sessions: int = 5, seed: int = 0, fau
                                  "socket_timeout_s": 0.5, "connect_timeout_s": 0.5})
         spec = {
             "model": str(model),
-            "kvtier": {"tiers": tiers, "breaker_cooldown_s": 1.0},
+            "kvtier": {"tiers": tiers, "breaker_cooldown_s": 1.0, "node_memory_dir": node_memory},
             "redis_pid": redis[0].pid if redis is not None else None, "redis_skip": redis_skip,
             "requests": stream, "max_tokens": max_tokens, "seed": seed, "fault_rate": fault_rate, "faults": list(faults),
             "faults_per_request": faults_per_request,
@@ -160,6 +163,7 @@ def run(workdir: Path, requests: int = 60, sessions: int = 5, seed: int = 0, fau
             redis[0].kill()  # SIGKILL stops a stopped (SIGSTOPped) process too
             redis[0].wait(10)
         _unmount_below(workdir)
+        shutil.rmtree(node_memory, ignore_errors=True)
 
     if reference == "salted":
         expected = {tuple(p): r for p, r in zip(unique, out["reference"], strict=True)}
@@ -684,12 +688,9 @@ def _result(out) -> dict:
             "logprobs": [{str(t): float(v.logprob) for t, v in step.items()} for step in (c.logprobs or [])]}
 
 
-def _empty_memory_tiers(runtime) -> None:
-    for store in runtime.stores():
-        store.flush(30)
-        for tier in store.tiers:
-            if tier.kind == "memory":
-                tier.clear()
+def _empty_memory_tiers(llm) -> None:
+    llm.collective_rpc("kvtier_flush", args=(30,))
+    llm.collective_rpc("kvtier_clear", args=(["memory"],))
 
 
 def engine_main(spec_path: str, out_path: str) -> int:
@@ -700,11 +701,12 @@ def engine_main(spec_path: str, out_path: str) -> int:
     from vllm import LLM, SamplingParams
 
     from kvtier.bench.vllm_runner import _connector_config
-    from kvtier.integrations.vllm import runtime
+    from kvtier.bench.worker_ext import WORKER_EXTENSION
 
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
               enable_prefix_caching=True, kv_cache_memory_bytes=64 << 20, max_model_len=4096,
-              disable_log_stats=False, kv_transfer_config=_connector_config(spec["kvtier"]))
+              disable_log_stats=False, kv_transfer_config=_connector_config(spec["kvtier"]),
+              worker_extension_cls=WORKER_EXTENSION)
     sp = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, detokenize=False, logprobs=TOP_LOGPROBS)
     rng = random.Random(spec["seed"] + 1)
     injector = Injector({k: Path(v) for k, v in spec["dirs"].items()}, spec["tmpfs"], Path(spec["outside"]),
@@ -717,7 +719,7 @@ def engine_main(spec_path: str, out_path: str) -> int:
         out = llm.generate([{"prompt_token_ids": tokens, "cache_salt": salt}], sp, use_tqdm=False)[0]
         assert out.num_cached_tokens == 0, "a salted reference request reused KV"
         reference.append(_result(out))
-    _empty_memory_tiers(runtime)
+    _empty_memory_tiers(llm)
     injector.start()
     try:
         for tokens in spec["requests"]:
@@ -729,7 +731,7 @@ def engine_main(spec_path: str, out_path: str) -> int:
                 # half of all faults are, at a chunk this request asks for).
                 injector.inject_one("swap" if i == 0 and rng.random() < 0.5 else None)
             if rng.random() < 0.5:
-                _empty_memory_tiers(runtime)
+                _empty_memory_tiers(llm)
                 drops += 1
             try:
                 out = llm.generate([{"prompt_token_ids": tokens}], sp, use_tqdm=False)[0]
@@ -738,8 +740,7 @@ def engine_main(spec_path: str, out_path: str) -> int:
                 results.append({"tokens": None, "cached": 0, "error": f"{type(exc).__name__}: {exc}"})
     finally:
         injector.stop()
-    for store in runtime.stores():
-        store.flush(30)
+    llm.collective_rpc("kvtier_flush", args=(30,))
     kv = {}
     for fam in REGISTRY.collect():
         if fam.name.startswith("kvtier"):

@@ -56,34 +56,56 @@ def _connector_config(extra: dict) -> dict:
     }
 
 
-def _drop_tiers(names, drop_page_cache: bool) -> None:
-    """Empty the named kvtier tiers of this process (so that the next phase is
-    served by a lower tier), and optionally drop the persistent tiers' files
-    from the page cache (so that their reads are cold)."""
+def _drop_tiers(llm, names, drop_page_cache: bool) -> None:
+    """Empty the named kvtier tiers (so that the next phase is served by a
+    lower tier), and optionally drop the persistent tiers' files from the
+    page cache (so that their reads are cold). Runs in every worker, through
+    vLLM's collective_rpc: the workers may be processes of their own."""
     if not names and not drop_page_cache:
         return
-    from kvtier.integrations.vllm import runtime
-
-    for store in runtime.stores():
-        store.flush()
-        for tier in store.tiers:
-            if tier.name in names:
-                tier.clear()
-            if drop_page_cache and hasattr(tier, "drop_cache"):
-                tier.drop_cache()
+    _rpc(llm, "kvtier_flush")
+    if names:
+        _rpc(llm, "kvtier_clear", list(names))
+    if drop_page_cache:
+        _rpc(llm, "kvtier_drop_page_cache")
 
 
-def _quiesce() -> None:
+def _quiesce(llm) -> None:
     """Let the warm-up's writes finish before a measured phase: kvtier's
     write-through, then the page cache's write-back (os.sync), so that no
     configuration's measurement pays for its own or another's leftover
     writes (a disk tier's files are not otherwise flushed; on a 2-core host
     the write-back of a few hundred MiB costs tens of ms of TTFT)."""
-    from kvtier.integrations.vllm import runtime
-
-    for store in runtime.stores():
-        store.flush()
+    _rpc(llm, "kvtier_flush")
     os.sync()
+
+
+def _rpc(llm, method: str, *args):
+    if not getattr(llm, "_kvtier", False):
+        return []
+    return llm.collective_rpc(method, args=args)
+
+
+def _collect_kvtier_metrics() -> dict:
+    """kvtier's samples from every process of the engine (prometheus_client's
+    multiprocess files: the engine core and the workers may be processes of
+    their own). Gauges carry one sample per process: the largest is kept."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    reg = CollectorRegistry()
+    MultiProcessCollector(reg)
+    kv: dict = {}
+    for fam in reg.collect():
+        if not fam.name.startswith("kvtier"):
+            continue
+        for s in fam.samples:
+            if s.name.endswith("_created"):
+                continue
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "pid")
+            key = f"{s.name}{{{labels}}}" if labels else s.name
+            kv[key] = max(kv.get(key, s.value), s.value) if "pid" in s.labels else s.value
+    return kv
 
 
 def _wait_for(path: str, timeout_s: float) -> None:
@@ -161,8 +183,8 @@ def _run_workload(llm, spec: dict) -> dict:
     records, phases = [], []
     for phase in wl.phases:
         if phase.cold:
-            _quiesce()
-            _drop_tiers(cold.get("drop_tiers", ()), cold.get("drop_page_cache", False))
+            _quiesce(llm)
+            _drop_tiers(llm, cold.get("drop_tiers", ()), cold.get("drop_page_cache", False))
             for d in cold.get("drop_page_cache_dirs", ()):
                 _drop_dir_cache(Path(d))
         _barrier(spec.get("barrier"), phase.name, spec.get("instance", 0))
@@ -179,7 +201,15 @@ def main(spec_path: str, out_path: str) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     spec = json.loads(open(spec_path).read())
+    if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+        # Before prometheus_client is imported anywhere: every process of
+        # the engine (it inherits this) writes its samples there.
+        import tempfile
+
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="kvtier-runner-metrics-")
     from vllm import LLM, SamplingParams
+
+    from kvtier.bench.worker_ext import WORKER_EXTENSION
 
     engine = dict(
         skip_tokenizer_init=True, dtype="float32", enforce_eager=True, enable_prefix_caching=True,
@@ -188,7 +218,9 @@ def main(spec_path: str, out_path: str) -> int:
     engine.update(spec.get("engine", {}))
     if spec.get("kvtier") is not None:
         engine["kv_transfer_config"] = _connector_config(spec["kvtier"])
+        engine["worker_extension_cls"] = WORKER_EXTENSION
     llm = LLM(model=spec["model"], **engine)
+    llm._kvtier = spec.get("kvtier") is not None
     out = _run_workload(llm, spec) if "workload" in spec else {"phases": []}
     for phase in spec.get("phases", ()):
         sp = SamplingParams(
@@ -199,7 +231,7 @@ def main(spec_path: str, out_path: str) -> int:
             _wait_for(phase["wait_for"], phase.get("wait_timeout_s", 300))
         if phase.get("reset_prefix_cache"):
             llm.reset_prefix_cache()
-        _drop_tiers(phase.get("drop_tiers", ()), phase.get("drop_page_cache", False))
+        _drop_tiers(llm, phase.get("drop_tiers", ()), phase.get("drop_page_cache", False))
         prompts = []
         for p in phase["prompts"]:
             d = {"prompt_token_ids": p["tokens"]}
@@ -230,16 +262,7 @@ def main(spec_path: str, out_path: str) -> int:
                 labels = ",".join(f"{k}={v}" for k, v in sorted(m.labels.items()) if k not in ("model_name", "engine"))
                 metrics[f"{m.name}{{{labels}}}" if labels else m.name] = value
     out["metrics"] = metrics
-    from prometheus_client import REGISTRY
-
-    kv = {}
-    for fam in REGISTRY.collect():
-        if fam.name.startswith("kvtier"):
-            for s in fam.samples:
-                if s.name.endswith("_created"):
-                    continue
-                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-                kv[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    kv = _collect_kvtier_metrics()
     out["kvtier_metrics"] = kv
     with open(out_path, "w") as f:
         json.dump(out, f)

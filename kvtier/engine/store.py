@@ -18,11 +18,11 @@ import logging
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from kvtier.buffers import BufferPool, copy_into
 from kvtier.codec import ChunkObject, encode
-from kvtier.config import StoreConfig
+from kvtier.config import StoreConfig, TierSpec
 from kvtier.engine.breaker import CircuitBreaker
 from kvtier.engine.executor import LOAD, PriorityExecutor
 from kvtier.errors import ConfigError
@@ -55,7 +55,11 @@ class Lookup:
 
 
 class TieredStore:
-    def __init__(self, config: StoreConfig, metrics: Metrics | None = None, chunk_bytes: int | None = None):
+    def __init__(self, config: StoreConfig, metrics: Metrics | None = None, chunk_bytes: int | None = None,
+                 tier_class: Callable[[TierSpec], type[Tier]] | None = None):
+        """``tier_class`` picks the class that opens a configured tier
+        (default: the registry's class for its kind); the vLLM connector opens
+        a disk folder another process owns with a reader, for instance."""
         self.config = config
         self.metrics = metrics or Metrics()
         self.pool = BufferPool(config.buffer_pool_bytes)
@@ -68,7 +72,7 @@ class TieredStore:
                         f"{spec.config.capacity} B is smaller than one chunk ({chunk_bytes} B)",
                         f"give tier {spec.config.name!r} room for many chunks (at least {chunk_bytes} B)",
                     )
-                cls = registry.resolve(spec.kind, f"tiers[{i}].kind")
+                cls = tier_class(spec) if tier_class is not None else registry.resolve(spec.kind, f"tiers[{i}].kind")
                 breaker = CircuitBreaker(config.breaker_threshold, config.breaker_cooldown_s)
                 self.tiers.append(cls(spec.config, self.metrics, breaker, self.pool))
         except BaseException:

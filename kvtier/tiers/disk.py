@@ -239,3 +239,39 @@ class DiskTier(FileTier):
         if self._lockfd >= 0:
             os.close(self._lockfd)
             self._lockfd = -1
+
+
+class DiskReader(FileTier):
+    """A disk tier's folder seen by a process that does not own it (vLLM's
+    scheduler, beside the worker that owns the folder): lookups by ``stat``,
+    verified reads, no writes, no eviction, no recency stamps (the owner's
+    index keeps recency). What the owner evicts simply stops being found."""
+
+    kind = "disk"
+    Config = DiskConfig
+
+    def lookup(self, keys, timeout: float | None = None) -> int:
+        for i, k in enumerate(keys):
+            if not self.dir.exists(k):
+                return i
+        return len(keys)
+
+    def store(self, objs) -> int:
+        return 0  # the owner writes
+
+    def _quarantine(self, key: ChunkKey) -> None:
+        pass  # the owner's to move: its own read fails verification too
+
+    def delete(self, keys) -> int:
+        return 0
+
+    def stats(self) -> TierStats:
+        objects, used = 0, 0
+        for e in self.dir.scan():
+            objects += 1
+            used += e.size
+        return TierStats(self.name, self.kind, objects, used, self.capacity)
+
+    @property
+    def capacity(self) -> int:
+        return self.config.capacity

@@ -1,8 +1,8 @@
 """The simulator's request path against the connector's: the same requests
 through ``Simulator.step`` and through the real ``KVTierScheduler`` over a
 real ``TieredStore`` (memory, disk and shared directory tiers), its worker
-side played by this test (loads: wait for the prefetch, fetch the job's
-chunks; saves: put the planned chunks), prefill then decode steps as vLLM
+side played by this test (loads: fetch the job's chunks; saves: put the
+planned chunks), prefill then decode steps as vLLM
 schedules them. Per request, the tokens each tier serves must be equal, and
 after every request each tier must hold the same objects in the same order.
 
@@ -38,8 +38,10 @@ HIGH, LOW = 0.9, 0.6
 
 @pytest.fixture
 def pair(tmp_path):
+    from kvtier.integrations.vllm.group import GroupView
+    from kvtier.integrations.vllm.metrics import connector_metrics
     from kvtier.integrations.vllm.scheduler import KVTierScheduler
-    from kvtier.integrations.vllm.settings import Settings
+    from kvtier.integrations.vllm.settings import Settings, Topology
 
     specs = [
         {"kind": "memory", "capacity": MEM},
@@ -57,14 +59,14 @@ def pair(tmp_path):
         write(obj, key, fsync)
 
     shared_dir.write = one_per_tick
-    sched = KVTierScheduler(Settings(cfg, NS, BS, 1, "float32"), store,
-                            {"memory": "memory", "disk": "disk", "shared": "shared"})
+    settings = Settings(cfg, NS, BS, 1, "float32", Topology(1, None))
+    # The scheduler looks up in the store this test's worker side fills.
+    sched = KVTierScheduler(settings, GroupView(settings, stores=[store]), connector_metrics())
     tiers = (TierPlan("memory", MEM, DEFAULT_IO["memory"]), TierPlan("disk", DISK, DEFAULT_IO["disk"]),
              TierPlan("shared", SHARED, DEFAULT_IO["shared"], HIGH, LOW, touch_interval_s=0, gc_interval_s=0))
     sim = Simulator(PlanConfig(MODEL, tiers, chunk_tokens=C, block_tokens=BS, curve_sample=0), keep_outcomes=True)
     yield sched, store, sim
-    sched.close()
-    store.close()
+    sched.close()  # closes the store too (its view owns it)
 
 
 class _Blocks:
@@ -82,12 +84,7 @@ def _step(new=(), cached=None, scheduled=None):
 
 def _worker(store, meta) -> None:
     """What KVTierWorker does with a step's metadata, minus the engine's tensors."""
-    from kvtier.integrations.vllm import runtime
-
     for job in meta.loads:
-        pf = runtime.pop_prefetch(job.req_id)
-        if pf is not None:
-            pf.result(10)
         for _ in store.fetch([c.key for c in job.chunks]):
             pass
     for job in meta.saves:
@@ -102,8 +99,6 @@ def _worker(store, meta) -> None:
 def _serve(sched, store, rid: str, prompt: list[int], output: list[int]) -> dict[str, int]:
     """One request through the connector: lookup, prefill step, decode steps.
     Returns the tokens each tier served."""
-    from kvtier.integrations.vllm import runtime
-
     P, O = len(prompt), len(output)
     req = SimpleNamespace(request_id=rid, all_token_ids=list(prompt), num_tokens=P, num_prompt_tokens=P,
                           cache_salt=None, mm_features=None, lora_request=None, prompt_embeds=None)
@@ -115,10 +110,6 @@ def _serve(sched, store, rid: str, prompt: list[int], output: list[int]) -> dict
         time.sleep(0.001)
     st = sched._reqs[rid]
     hit = st.lookup.result() if st.lookup is not None else None
-    pf = runtime.pop_prefetch(rid)  # the prefetch the lookup started runs before anything else
-    if pf is not None:
-        pf.result(10)
-        runtime.set_prefetch(rid, pf)
     served: dict[str, int] = {}
     if n and hit is not None:
         pos = 0
@@ -138,7 +129,6 @@ def _serve(sched, store, rid: str, prompt: list[int], output: list[int]) -> dict
                                  resumed_req_ids=set())
         _worker(store, sched.build_connector_meta(_step(cached=cached, scheduled={rid: 1})))
     sched.request_finished(req, ids)
-    runtime.pop_prefetch(rid)
     return served
 
 

@@ -1,10 +1,15 @@
-"""``KVTierConnector``: the class vLLM instantiates, twice (scheduler role and
-worker role). It only routes each hook to the side that owns it:
-``KVTierScheduler`` decides, ``KVTierWorker`` moves bytes.
+"""``KVTierConnector``: the class vLLM instantiates, once for the scheduler
+role and once per worker (one per TP rank). It only routes each hook to the
+side that owns it: ``KVTierScheduler`` decides from a ``GroupView`` of every
+rank's tiers, ``KVTierWorker`` moves its rank's bytes through a store of its
+own. The two sides share no Python object: they may run in one process or in
+several, and behave the same (what crosses between them is the metadata
+vLLM pickles, and the tiers themselves).
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 from typing import Any
 
@@ -12,8 +17,10 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
 from kvtier.codec import DTYPE_SIZES
-from kvtier.integrations.vllm import runtime
+from kvtier.engine.store import TieredStore
+from kvtier.integrations.vllm.group import GroupView, reader_class
 from kvtier.integrations.vllm.metadata import KVTierMetadata
+from kvtier.integrations.vllm.metrics import connector_metrics
 from kvtier.integrations.vllm.scheduler import KVTierScheduler
 from kvtier.integrations.vllm.settings import load_settings
 from kvtier.integrations.vllm.worker import KVTierWorker
@@ -24,20 +31,32 @@ log = logging.getLogger(__name__)
 class KVTierConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any):
         super().__init__(vllm_config, role, kv_cache_config)
-        self._settings = s = load_settings(vllm_config, kv_cache_config)
-        ns = s.namespace
+        worker = role != KVConnectorRole.SCHEDULER
+        self._settings = s = load_settings(vllm_config, kv_cache_config, worker=worker)
+        ns, topo = s.namespace, s.topology
+        # One shard of one chunk (the KV cache spec counts this rank's heads).
         chunk_bytes = ns.num_layers * 2 * ns.num_kv_heads * ns.head_dim * DTYPE_SIZES[s.kv_dtype] * ns.chunk_tokens
-        self._store = runtime.acquire(s.store, chunk_bytes)
+        m = connector_metrics()
         self._scheduler: KVTierScheduler | None = None
         self._worker: KVTierWorker | None = None
-        if role == KVConnectorRole.SCHEDULER:
-            kinds = {t.name: t.kind for t in self._store.tiers}
-            self._scheduler = KVTierScheduler(s, self._store, kinds)
+        if not worker:
+            view = GroupView(s, m.store, chunk_bytes)
+            self._scheduler = KVTierScheduler(s, view, m)
+            tiers = [t.name for t in view.stores[0].tiers]
         else:
+            # A rank that does not write (replicated KV, rank > 0) reads the
+            # writer's disk folder without owning it.
+            store = TieredStore(s.shard_config(topo.own_shard), m.store, chunk_bytes=chunk_bytes,
+                                tier_class=None if topo.saves else reader_class)
             group = kv_cache_config.kv_cache_groups[0]
-            self._worker = KVTierWorker(s, self._store, list(group.layer_names), kv_cache_config.num_blocks)
-        log.info("kvtier connector (%s): tiers %s, chunk %d tokens", role.name,
-                 [t.name for t in self._store.tiers], s.store.chunk_tokens)
+            self._worker = KVTierWorker(s, store, list(group.layer_names), kv_cache_config.num_blocks, m)
+            # An engine that exits without calling shutdown still publishes
+            # what it saved (the store's close drains its write-through).
+            atexit.register(self._worker.close)
+            tiers = [t.name for t in store.tiers]
+        log.info("kvtier connector (%s%s): tiers %s, chunk %d tokens, TP %d%s", role.name,
+                 "" if topo.rank is None else f" rank {topo.rank}", tiers, s.store.chunk_tokens, topo.tp_size,
+                 " (replicated KV)" if topo.replicated else "")
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -87,11 +106,31 @@ class KVTierConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors()
 
+    # ------------------------------------------------------------ benchmarks
+    # Called on the workers through vLLM's collective_rpc (see
+    # kvtier.bench.worker_ext): the worker's store is in the worker's process.
+    def flush_saves(self, timeout: float | None = 60.0) -> bool:
+        """Wait for this worker's write-through to drain."""
+        return self._worker is None or self._worker.store.flush(timeout)
+
+    def clear_tiers(self, names) -> int:
+        """Empty the named tiers this worker opened; the count of objects removed."""
+        if self._worker is None:
+            return 0
+        return sum(t.clear() for t in self._worker.store.tiers if t.name in set(names) and hasattr(t, "clear"))
+
+    def drop_page_cache(self) -> int:
+        """Drop this worker's file tiers' objects from the page cache."""
+        if self._worker is None:
+            return 0
+        return sum(t.drop_cache() for t in self._worker.store.tiers if hasattr(t, "drop_cache"))
+
     # ------------------------------------------------------------ lifecycle
     def shutdown(self) -> None:
-        for side in (self._scheduler, self._worker):
-            if side is not None:
-                side.close()
-        if self._store is not None:
-            runtime.release(self._store)
-            self._store = None
+        if self._scheduler is not None:
+            self._scheduler.close()
+            self._scheduler = None
+        if self._worker is not None:
+            atexit.unregister(self._worker.close)
+            self._worker.close()
+            self._worker = None

@@ -8,6 +8,10 @@ waits on storage: a request whose lookup is still running is answered
 Per request it keeps the lookup answer, the chunk keys of its tokens (a
 prefix chain, extended as tokens are computed), its engine block ids, and how
 far its KV is already in kvtier (``saved_upto``).
+
+Keys here are the TP group's chain; each worker names its own shard of a
+chunk from it. Lookups ask ``GroupView``, which sees every rank's tiers from
+this process: a chunk counts only when every rank's shard of it is stored.
 """
 
 from __future__ import annotations
@@ -19,9 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.engine.executor import LOAD, PriorityExecutor
-from kvtier.engine.store import TieredStore
-from kvtier.integrations.vllm import runtime
+from kvtier.integrations.vllm.group import GroupView
 from kvtier.integrations.vllm.metadata import ChunkIO, KVTierMetadata, LoadJob, SaveJob
+from kvtier.integrations.vllm.metrics import ConnectorMetrics
 from kvtier.integrations.vllm.settings import Settings
 from kvtier.keys import ChunkKey, next_key, root_key
 
@@ -36,7 +40,7 @@ _LOOKUP_GRACE_S = 0.005
 class _Hit:
     tokens: int
     keys: list[ChunkKey]  # keys of the hit chunks (the last may be partial)
-    tiers: list[str]  # tier holding each hit chunk
+    tiers: list[str]  # per hit chunk: the slowest tier holding one of its shards
 
 
 @dataclass
@@ -67,12 +71,12 @@ def _cacheable(request) -> bool:
 
 
 class KVTierScheduler:
-    def __init__(self, settings: Settings, store: TieredStore, tier_kinds: dict[str, str]):
+    def __init__(self, settings: Settings, view: GroupView, metrics: ConnectorMetrics):
         self.settings = settings
-        self.store = store
+        self.view = view
+        self.metrics = metrics
         self.bs = settings.block_size
         self.chunk = settings.store.chunk_tokens
-        self._tier_kinds = tier_kinds
         self._reqs: dict[str, _Req] = {}
         self._roots: dict[str, ChunkKey] = {}
         self._lookups = PriorityExecutor("vllm-lookup", 2)
@@ -116,16 +120,15 @@ class KVTierScheduler:
             if self._all_in_memory(st.root, tokens):
                 # Answered from host memory alone: no I/O, no reason to defer.
                 st.lookup = Future()
-                st.lookup.set_result(self._lookup(request.request_id, st.root, tokens, usable))
+                st.lookup.set_result(self._lookup(st.root, tokens, usable))
             else:
-                st.lookup = self._lookups.submit(LOAD, self._lookup, request.request_id, st.root, tokens, usable,
-                                                 num_computed_tokens)
+                st.lookup = self._lookups.submit(LOAD, self._lookup, st.root, tokens, usable)
             st.lookup.add_done_callback(
-                lambda _f, t0=t0: runtime.counter("lookup_seconds").observe(time.perf_counter() - t0))
+                lambda _f, t0=t0: self.metrics.lookup_seconds.observe(time.perf_counter() - t0))
         try:
             hit: _Hit = st.lookup.result(timeout=_LOOKUP_GRACE_S)
         except FutureTimeout:
-            runtime.counter("lookup_deferred").inc()
+            self.metrics.lookup_deferred.inc()
             return None, False
         except Exception as exc:  # a lookup must never fail a request
             log.warning("kvtier lookup failed for %s: %s", request.request_id, exc)
@@ -137,20 +140,19 @@ class KVTierScheduler:
         # forward (a synchronous load: no extra scheduler round trip); anything
         # on disk or remote is read asynchronously while other requests run.
         st.sync_load = all(
-            self._tier_kinds.get(t) == "memory" for t in self._tiers_in(hit, num_computed_tokens, hit.tokens)
+            t in self.view.host_memory for t in self._tiers_in(hit, num_computed_tokens, hit.tokens)
         )
         return hit.tokens - num_computed_tokens, not st.sync_load
 
     def _all_in_memory(self, root: ChunkKey, tokens: list[int]) -> bool:
-        memory = self.store.memory
-        if memory is None:
+        if not self.view.host_memory:
             return False
         usable_blocks = len(tokens) // self.bs * self.bs
         keys, prev = [], root
         for start in range(0, usable_blocks, self.chunk):
             prev = next_key(prev, tokens[start : min(start + self.chunk, usable_blocks)])
             keys.append(prev)
-        return bool(keys) and memory.lookup(keys) == len(keys)
+        return self.view.in_host_memory(keys)
 
     @staticmethod
     def _tiers_in(hit: "_Hit", lo: int, hi: int) -> list[str]:
@@ -162,7 +164,7 @@ class KVTierScheduler:
             pos += k.num_tokens
         return out
 
-    def _lookup(self, req_id: str, root: ChunkKey, tokens: list[int], usable: int, local: int = 0) -> _Hit:
+    def _lookup(self, root: ChunkKey, tokens: list[int], usable: int) -> _Hit:
         """Longest stored prefix of ``tokens`` (runs on the lookup pool), in
         tokens, capped at ``usable``.
 
@@ -174,10 +176,10 @@ class KVTierScheduler:
         for start in range(0, len(tokens) // bs * bs, C):
             prev = next_key(prev, tokens[start : min(start + C, len(tokens) // bs * bs)])
             keys.append(prev)
-        plan = self.store.lookup(keys)
+        plan = self.view.lookup(keys)
         hit_keys = keys[: plan.chunks]
-        tiers = [s.tier for s in plan.segments for _ in range(s.start, s.stop)]
-        hit = plan.tokens
+        tiers = list(plan.tiers)
+        hit = sum(k.num_tokens for k in hit_keys)
         if plan.chunks < len(keys):
             start = plan.chunks * C
             tried = keys[plan.chunks].num_tokens
@@ -186,10 +188,10 @@ class KVTierScheduler:
                 if n == tried:
                     continue
                 k = next_key(base, tokens[start : start + n])
-                sub = self.store.lookup([k])
+                sub = self.view.lookup([k])
                 if sub.chunks:
                     hit_keys.append(k)
-                    tiers.append(sub.segments[0].tier)
+                    tiers.append(sub.tiers[0])
                     hit += n
                     break
         # Drop chunks that start at or past the usable end; the last one kept
@@ -197,15 +199,6 @@ class KVTierScheduler:
         while hit_keys and hit - hit_keys[-1].num_tokens >= usable:
             hit -= hit_keys.pop().num_tokens
             tiers.pop()
-        # Prefetch what vLLM will claim: chunks that end past its own hit
-        # (``local`` tokens it already holds); reading the others is waste.
-        wanted, pos = [], 0
-        for k, tier in zip(hit_keys, tiers):
-            pos += k.num_tokens
-            if pos > local and self._tier_kinds.get(tier) != "memory":
-                wanted.append(k)
-        if wanted and self.store.memory is not None:
-            runtime.set_prefetch(req_id, self.store.prefetch(wanted))
         return _Hit(min(hit, usable), hit_keys, tiers)
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
@@ -223,11 +216,15 @@ class KVTierScheduler:
             if b > a:
                 by_tier[tier] = by_tier.get(tier, 0) + b - a
             pos += k.num_tokens
-        kind_source = {"memory": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
         out: dict = {}
         for tier, n in by_tier.items():
-            runtime.counter("external_hit_tokens").labels(tier).inc(n)
-            src = kind_source.get(self._tier_kinds.get(tier, ""), CacheHitSource.EXTERNAL_UNSPECIFIED)
+            self.metrics.external_hit_tokens.labels(tier).inc(n)
+            if tier in self.view.host_memory:
+                src = CacheHitSource.HOST
+            elif self.view.kinds.get(tier) == "disk":
+                src = CacheHitSource.DISK
+            else:
+                src = CacheHitSource.EXTERNAL_UNSPECIFIED
             out[src] = out.get(src, 0) + n
         return out
 
@@ -326,16 +323,15 @@ class KVTierScheduler:
                 # recomputed now: save it again, or the hole stays for the
                 # next request with this prefix.
                 st.saved_upto, st.tail_saved = 0, False
-                runtime.counter("load_failed_blocks").inc(len(bad))
+                self.metrics.load_failed_blocks.inc(len(bad))
             st.loading_blocks = None
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
         st = self._reqs.pop(request.request_id, None)
         if st is not None and st.lookup is not None:
             st.lookup.cancel()
-        pf = runtime.pop_prefetch(request.request_id)
-        del pf  # the prefetch owns nothing of the request; let it finish
         return False, None
 
     def close(self) -> None:
         self._lookups.close(cancel_pending=True)
+        self.view.close()

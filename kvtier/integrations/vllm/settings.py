@@ -4,19 +4,25 @@
 kvtier config file), any StoreConfig key inline (``tiers``, ``chunk_tokens``,
 ...), and ``model_fingerprint`` to pin the weights identity explicitly.
 Inline keys override the file, which overrides ``KVTIER_*`` variables.
+
+The topology decides which tiers each process opens (see ``Topology`` and
+docs/vllm.md): ``memory`` tiers become the node's shared memory tier
+(``shm``), so that the scheduler, every worker and every other engine of the
+node see one host memory; a ``disk`` tier holds one folder per TP rank,
+owned by the worker of that rank, which the scheduler reads without owning.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvtier.config import StoreConfig, load_config
+from kvtier.config import StoreConfig, TierSpec, load_config
 from kvtier.errors import ConfigError
-from kvtier.keys import Namespace
+from kvtier.keys import ChunkKey, Namespace, shard_key
 
 SUPPORTED_VLLM = ("0.32.",)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
@@ -24,15 +30,69 @@ _OWN_KEYS = {"config", "model_fingerprint"}
 
 
 @dataclass(frozen=True)
+class Topology:
+    """Where this connector runs in vLLM's process topology.
+
+    Under tensor parallelism each rank holds other KV heads of the same
+    tokens: each rank stores and loads only its own shard, under its own key
+    (``shard_key``); a chunk is a hit only when every rank's shard is there.
+    Where every rank holds the same KV (MLA's latent cache is replicated), a
+    chunk is one object, written by rank 0 and read by all.
+    """
+
+    tp_size: int
+    rank: int | None  # this worker's TP rank; None for the scheduler side
+    replicated: bool = False
+
+    @property
+    def shard_ranks(self) -> range:
+        """The ranks whose objects make up one chunk."""
+        return range(1) if self.replicated else range(self.tp_size)
+
+    @property
+    def own_shard(self) -> int:
+        """The shard this worker reads and writes."""
+        assert self.rank is not None, "the scheduler side has no shard"
+        return 0 if self.replicated else self.rank
+
+    @property
+    def saves(self) -> bool:
+        return self.rank is not None and (not self.replicated or self.rank == 0)
+
+    def shard(self, key: ChunkKey, shard: int) -> ChunkKey:
+        return key if self.replicated else shard_key(key, shard, self.tp_size)
+
+
+@dataclass(frozen=True)
 class Settings:
-    store: StoreConfig
-    namespace: Namespace  # tenant salt empty; per request via with_salt
+    store: StoreConfig  # as configured (memory tiers already node-wide)
+    namespace: Namespace  # the TP group's; tenant salt empty (per request via with_salt)
     block_size: int
     num_layers: int
     kv_dtype: str  # kvtier dtype name of the KV cache tensors
+    topology: Topology
+
+    def disk_path(self, path: str, shard: int) -> str:
+        """The folder of a disk tier that holds ``shard``'s objects."""
+        if self.topology.tp_size == 1:
+            return path
+        return os.path.join(path, f"tp{self.topology.tp_size}-rank{shard}")
+
+    def shard_config(self, shard: int) -> StoreConfig:
+        """The store of the worker that owns ``shard``: disk tiers in the
+        shard's folder, each with its share of the capacity."""
+        n = len(self.topology.shard_ranks)
+        tiers = []
+        for spec in self.store.tiers:
+            if spec.kind == "disk":
+                cfg = replace(spec.config, path=self.disk_path(spec.config.path, shard),
+                              capacity=max(1, spec.config.capacity // n))
+                spec = TierSpec(spec.kind, cfg)
+            tiers.append(spec)
+        return replace(self.store, tiers=tuple(tiers))
 
 
-def load_settings(vllm_config: Any, kv_cache_config: Any) -> Settings:
+def load_settings(vllm_config: Any, kv_cache_config: Any, worker: bool) -> Settings:
     import vllm
 
     if not vllm.__version__.startswith(SUPPORTED_VLLM):
@@ -49,7 +109,7 @@ def load_settings(vllm_config: Any, kv_cache_config: Any) -> Settings:
     extra = dict(ktc.kv_connector_extra_config or {})
     path = extra.pop("config", None)
     fingerprint = extra.pop("model_fingerprint", None)
-    store = load_config(path, overrides=extra)
+    store = node_memory(load_config(path, overrides=extra))
 
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
@@ -67,6 +127,10 @@ def load_settings(vllm_config: Any, kv_cache_config: Any) -> Settings:
     kv_dtype = str(spec.dtype).removeprefix("torch.")
     mc = vllm_config.model_config
     pc = vllm_config.parallel_config
+    if int(getattr(pc, "pipeline_parallel_size", 1)) > 1:
+        raise ConfigError("pipeline_parallel_size", f"is {pc.pipeline_parallel_size}: each pipeline stage holds other layers",
+                          "run kvtier with pipeline_parallel_size 1 (tensor and data parallel are supported)")
+    topology = Topology(int(pc.tensor_parallel_size), _tp_rank() if worker else None, replicated=bool(getattr(mc, "use_mla", False)))
     ns = Namespace(
         model=f"{mc.model}@{mc.revision or ''}",
         model_fingerprint=fingerprint or model_fingerprint(vllm_config),
@@ -76,10 +140,25 @@ def load_settings(vllm_config: Any, kv_cache_config: Any) -> Settings:
         num_kv_heads=int(spec.num_kv_heads),
         head_dim=int(spec.head_size),
         chunk_tokens=store.chunk_tokens,
-        tp_size=int(pc.tensor_parallel_size),
-        tp_rank=_tp_rank(),
+        tp_size=topology.tp_size,
     )
-    return Settings(store, ns, block_size, len(groups[0].layer_names), kv_dtype)
+    return Settings(store, ns, block_size, len(groups[0].layer_names), kv_dtype, topology)
+
+
+def node_memory(store: StoreConfig) -> StoreConfig:
+    """``memory`` tiers as the node's memory tier (``shm``, same name and
+    capacity, in ``node_memory_dir``): a process-local memory is invisible to
+    vLLM's other processes and would hold one copy per engine."""
+    from kvtier.tiers.shm import ShmConfig, default_dir
+
+    root = store.node_memory_dir or default_dir()
+    tiers = []
+    for spec in store.tiers:
+        if spec.kind == "memory":
+            cfg = spec.config
+            spec = TierSpec("shm", ShmConfig(capacity=cfg.capacity, name=cfg.name, path=os.path.join(root, cfg.name)))
+        tiers.append(spec)
+    return replace(store, tiers=tuple(tiers))
 
 
 def layout_name(vllm_config: Any, spec: Any) -> str:
@@ -123,9 +202,10 @@ def model_fingerprint(vllm_config: Any) -> str:
 
 
 def _tp_rank() -> int:
-    try:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+    """The worker's TP rank (vLLM sets up its groups before the connector)."""
+    from vllm.distributed import parallel_state
 
-        return int(get_tensor_model_parallel_rank())
-    except Exception:  # scheduler process: no model-parallel group; rank 0's keys
-        return int(os.environ.get("KVTIER_TP_RANK", "0"))
+    if not parallel_state.model_parallel_is_initialized():
+        raise ConfigError("tensor_parallel_size", "the worker's tensor-parallel group is not set up",
+                          "report this vLLM version: kvtier expects its groups before the KV connector")
+    return int(parallel_state.get_tensor_model_parallel_rank())

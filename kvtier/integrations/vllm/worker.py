@@ -10,6 +10,11 @@ Threads:
 - Saves run in the worker thread in ``wait_for_save``, after the forward pass,
   while the blocks are certainly valid: one copy of each block into a pooled
   chunk object; the store writes it through in the background.
+
+Keys: the scheduler sends the TP group's chunk keys; this worker reads and
+writes only its own shard of each, under the shard's key (``Topology``).
+Under tensor parallelism every rank reports its own failed blocks, and vLLM
+recomputes the union for all ranks.
 """
 
 from __future__ import annotations
@@ -24,10 +29,11 @@ from kvtier.codec import ChunkObject, build
 from kvtier.engine.executor import LOAD, PriorityExecutor
 from kvtier.engine.store import TieredStore
 from kvtier.errors import ConfigError
-from kvtier.integrations.vllm import runtime
 from kvtier.integrations.vllm.layout import BlockLayout, detect
 from kvtier.integrations.vllm.metadata import KVTierMetadata, LoadJob, SaveJob
+from kvtier.integrations.vllm.metrics import ConnectorMetrics
 from kvtier.integrations.vllm.settings import Settings
+from kvtier.keys import ChunkKey
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +45,13 @@ _IDLE_WAIT_S = 0.005
 
 
 class KVTierWorker:
-    def __init__(self, settings: Settings, store: TieredStore, layer_names: list[str], num_blocks: int):
+    def __init__(self, settings: Settings, store: TieredStore, layer_names: list[str], num_blocks: int,
+                 metrics: ConnectorMetrics):
         self.settings = settings
         self.store = store
+        self.metrics = metrics
+        self.topology = settings.topology
+        self._shard = settings.topology.own_shard
         self.layer_names = layer_names
         self.num_blocks = num_blocks
         self.layout: BlockLayout | None = None
@@ -63,6 +73,10 @@ class KVTierWorker:
         log.info("kvtier: %d layers, layout %s, chunk shape %s", len(layers), self.layout.name,
                  self.layout.chunk_shape(self.settings.store.chunk_tokens // self.settings.block_size))
 
+    def _key(self, key: ChunkKey) -> ChunkKey:
+        """This rank's shard of the group's chunk ``key``."""
+        return self.topology.shard(key, self._shard)
+
     # ------------------------------------------------------------ loads
     def start_load_kv(self, meta: KVTierMetadata) -> None:
         """Synchronous loads (chunks in host memory) are copied in right here,
@@ -78,7 +92,7 @@ class KVTierWorker:
                 flight = _InFlight(job)
                 flight.copy_in(self, objs)
                 failed = flight.missing_blocks()
-                runtime.counter("scatter_seconds").observe(time.perf_counter() - t0)
+                self.metrics.scatter_seconds.observe(time.perf_counter() - t0)
                 with self._lock:
                     self._errors_to_report |= failed
                 continue
@@ -90,79 +104,39 @@ class KVTierWorker:
             fut.add_done_callback(lambda f, flight=flight: self._read_ended(flight, f))
 
     def _load(self, job: LoadJob, flight: _InFlight | None = None) -> list[ChunkObject]:
-        """Read the job's chunks (loader thread). Returns the leading chunks
-        that verified and have the expected shape, each retained: they stay
-        valid until they are copied into the engine. With ``flight`` (an
-        asynchronous load) each chunk is handed over as it arrives, so that
-        the engine thread copies the first chunks while later ones are read;
-        nothing is returned then.
-
-        Chunks the prefetch started at lookup brings into memory are taken
-        from memory one by one as it stores them (no second read, and no
-        waiting for the whole prefetch); the rest, if it stopped short, is
-        read here."""
+        """Read this rank's shard of the job's chunks (loader thread). Returns
+        the leading chunks that verified and have the expected shape, each
+        retained: they stay valid until they are copied into the engine. With
+        ``flight`` (an asynchronous load) each chunk is handed over as it
+        arrives, so that the engine thread copies the first chunks while
+        later ones are read; nothing is returned then."""
         t0 = time.perf_counter()
-        prefetch = runtime.pop_prefetch(job.req_id)
         objs: list[ChunkObject] = []
         block = self.settings.block_size
-
-        def take(c, obj: ChunkObject) -> bool:
-            shape = self.layout.chunk_shape(c.key.num_tokens // block)
-            h = obj.header
-            if h.shape != shape or h.dtype != self.settings.kv_dtype:
-                log.warning("kvtier: chunk %s has shape %s %s, expected %s %s; recomputing",
-                            c.key.hex[:16], h.shape, h.dtype, shape, self.settings.kv_dtype)
-                return False
-            if flight is None:
-                objs.append(obj.retain())
-                return True
-            with self._lock:
-                flight.arrived.append(obj.retain())
-            self._arrived.set()
-            return True
-
         try:
-            done, go_on = 0, True
-            if prefetch is not None:
-                done, go_on = self._take_prefetched(job, prefetch, take)
-            if go_on and done < len(job.chunks):
-                it = self.store.fetch([c.key for c in job.chunks[done:]])
-                try:
-                    for c, obj in zip(job.chunks[done:], it):
-                        if not take(c, obj):
-                            break
-                finally:
-                    it.close()
+            it = self.store.fetch([self._key(c.key) for c in job.chunks])
+            try:
+                for c, obj in zip(job.chunks, it):
+                    shape = self.layout.chunk_shape(c.key.num_tokens // block)
+                    h = obj.header
+                    if h.shape != shape or h.dtype != self.settings.kv_dtype:
+                        log.warning("kvtier: chunk %s has shape %s %s, expected %s %s; recomputing",
+                                    c.key.hex[:16], h.shape, h.dtype, shape, self.settings.kv_dtype)
+                        break
+                    if flight is None:
+                        objs.append(obj.retain())
+                        continue
+                    with self._lock:
+                        flight.arrived.append(obj.retain())
+                    self._arrived.set()
+            finally:
+                it.close()
         except BaseException:
             for o in objs:
                 o.release()
             raise
-        runtime.counter("load_seconds").observe(time.perf_counter() - t0)
+        self.metrics.load_seconds.observe(time.perf_counter() - t0)
         return objs
-
-    def _take_prefetched(self, job: LoadJob, prefetch, take) -> tuple[int, bool]:
-        """Hand over the job's leading chunks from memory, each as soon as
-        ``prefetch`` has stored it there (chunks it does not read were in
-        memory at lookup). Returns how many were handed over, and whether to
-        go on with the rest (False: a chunk was refused)."""
-        index = {k.digest: i for i, k in enumerate(prefetch.keys)}
-        deadline = time.monotonic() + self.settings.store.load_timeout_s
-        done = 0
-        for c in job.chunks:
-            i = index.get(c.key.digest)
-            if i is not None and not prefetch.wait(i + 1, max(0.0, deadline - time.monotonic())):
-                break
-            it = self.store.fetch([c.key])
-            try:
-                obj = next(it, None)
-                if obj is None:
-                    break
-                if not take(c, obj):
-                    return done, False
-            finally:
-                it.close()
-            done += 1
-        return done, True
 
     def _read_ended(self, flight: _InFlight, fut) -> None:
         """The loader is done with ``flight`` (loader thread): whatever did
@@ -203,7 +177,7 @@ class KVTierWorker:
             if read_done:  # everything that will arrive has: report it
                 failed |= flight.missing_blocks()
                 finished.add(flight.job.req_id)
-        runtime.counter("scatter_seconds").observe(time.perf_counter() - t0)
+        self.metrics.scatter_seconds.observe(time.perf_counter() - t0)
         with self._lock:
             for rid in finished:
                 del self._inflight[rid]
@@ -217,12 +191,12 @@ class KVTierWorker:
 
     # ------------------------------------------------------------ saves
     def wait_for_save(self, meta: KVTierMetadata) -> None:
-        if not meta.saves:
+        if not meta.saves or not self.topology.saves:
             return
         t0 = time.perf_counter()
         for job in meta.saves:
             self._save(job)
-        runtime.counter("save_seconds").observe(time.perf_counter() - t0)
+        self.metrics.save_seconds.observe(time.perf_counter() - t0)
 
     def _save(self, job: SaveJob) -> None:
         layout, dtype = self.layout, self.layout.dtype
@@ -234,9 +208,9 @@ class KVTierWorker:
                 def fill(buf, ids=c.block_ids, shape=shape):
                     layout.gather(ids, torch.frombuffer(buf, dtype=dtype).view(shape))
 
-                objs.append(build(c.key, self.settings.kv_dtype, shape, fill, self.store.pool))
+                objs.append(build(self._key(c.key), self.settings.kv_dtype, shape, fill, self.store.pool))
             self.store.put(objs)
-            runtime.counter("saved_chunks").inc(len(objs))
+            self.metrics.saved_chunks.inc(len(objs))
         except Exception as exc:  # a failed save costs a future hit, never this request
             log.warning("kvtier: save for %s failed: %s", job.req_id, exc)
         finally:
@@ -245,6 +219,7 @@ class KVTierWorker:
 
     def close(self) -> None:
         self._loader.close()
+        self.store.close()
 
 
 class _InFlight:

@@ -15,11 +15,15 @@ spec and output stay in pytest's temporary directory (path in the message).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
+import shutil
 import subprocess
 import sys
+import tempfile
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +35,7 @@ REPO = Path(__file__).resolve().parents[3]
 ENGINE_TIMEOUT_S = 300  # one engine process, start-up included (normally 15-25 s)
 LOG_TAIL_LINES = 60
 LOG_LINE_CHARS = 400
+_SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 # vLLM needs these on this host (see /work/shared/VLLM_CPU.md): one process
 # for scheduler and worker, and no attempt to reach the Hugging Face hub.
@@ -129,16 +134,24 @@ def run_engine(spec: dict, workdir: Path, name: str, *, expect_failure: bool = F
     extra = env or {}
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
     env.update(_ENGINE_ENV)
+    # The node's memory tier is shared by every process that opens its
+    # folder: each run gets its own (a spec's node_memory_dir overrides it,
+    # for runs that are meant to share one).
+    node_memory = Path(tempfile.mkdtemp(prefix=f"kvtier-e2e-{name}-", dir=_SHM))
+    env["KVTIER_NODE_MEMORY_DIR"] = str(node_memory)
     env.update(extra)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "kvtier.bench.vllm_runner", str(spec_path), str(out_path)]
-    with open(log_path, "wb") as log:
-        try:
-            proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                  stdin=subprocess.DEVNULL, timeout=timeout)
-            rc = proc.returncode
-        except subprocess.TimeoutExpired:  # subprocess.run has killed it
-            rc = None
+    try:
+        with open(log_path, "wb") as log:
+            try:
+                proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, timeout=timeout)
+                rc = proc.returncode
+            except subprocess.TimeoutExpired:  # subprocess.run has killed it
+                rc = None
+    finally:
+        shutil.rmtree(node_memory, ignore_errors=True)
     run = EngineRun(name, spec, -9 if rc is None else rc, log_path,
                     json.loads(out_path.read_text()) if rc == 0 and out_path.exists() else None)
     if rc is None:
@@ -168,17 +181,27 @@ class EnginePool:
         for i in range(max(1, limit)):
             self._slots.put(str(cpus[i % len(cpus)]))
         self._threads = ThreadPoolExecutor(max_workers=32, thread_name_prefix="e2e-engine")
+        self._wide = threading.Lock()
+        self.size = max(1, limit)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         return self._threads.submit(fn, *args)
 
-    def run(self, spec: dict, name: str, **kw: Any) -> EngineRun:
-        cpu = self._slots.get()
+    def run(self, spec: dict, name: str, cpus: int = 1, env: dict[str, str] | None = None, **kw: Any) -> EngineRun:
+        """Run one engine on ``cpus`` slots (a tensor-parallel engine needs
+        one per rank: vLLM binds each rank's OpenMP team to its own CPU)."""
+        with self._wide if cpus > 1 else contextlib.nullcontext():
+            # One wide run gathers slots at a time: two could each hold one
+            # and wait for the other's forever.
+            held = [self._slots.get() for _ in range(min(cpus, self.size))]
         try:
-            env = {} if "VLLM_CPU_OMP_THREADS_BIND" in os.environ else {"VLLM_CPU_OMP_THREADS_BIND": cpu}
+            env = dict(env or {})
+            if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # more ranks than slots: ranks share CPUs
+                env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(held[i % len(held)] for i in range(cpus)))
             return run_engine(spec, self.workdir, name, env=env, **kw)
         finally:
-            self._slots.put(cpu)
+            for cpu in held:
+                self._slots.put(cpu)
 
     def close(self) -> None:
         self._threads.shutdown(wait=True, cancel_futures=True)

@@ -29,9 +29,8 @@ import os
 import random
 import re
 import shutil
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -39,6 +38,7 @@ from kvtier.bench.tinymodels import PRESETS
 from kvtier.codec import HEADER_BLOCK, HEADER_STRUCT_SIZE, parse_header
 from kvtier.keys import next_key, root_key
 from kvtier.tiers.files import ObjectDir
+from tests.integrations.vllm.runs import Ctx, RunDef, Runs, runs_marker, start_runs
 
 if TYPE_CHECKING:
     from tests.integrations.vllm.conftest import EngineRun
@@ -118,25 +118,6 @@ def tier_spec(kind: str, path: Path) -> Any:
 
 
 # ------------------------------------------------------------------ the runs
-
-
-@dataclass
-class Ctx:
-    models: dict[str, Path]
-    root: Path
-    notes: dict[str, Any] = field(default_factory=dict)  # what hooks did, for the tests
-
-    def dir(self, name: str) -> Path:
-        return self.root / name
-
-
-@dataclass(frozen=True)
-class RunDef:
-    spec: Callable[[Ctx], dict]
-    deps: tuple[str, ...] = ()
-    before: Callable[[Ctx], None] | None = None  # after deps, before the engine starts
-    after: Callable[[Ctx], None] | None = None  # after the engine succeeded
-    expect_failure: bool = False
 
 
 def _baseline(model: str) -> RunDef:
@@ -252,65 +233,13 @@ RUNS: dict[str, RunDef] = {
 }
 
 
-class Runs:
-    """Futures of the engine runs of this module, started on creation."""
-
-    def __init__(self, pool, ctx: Ctx, wanted: set[str]):
-        self.pool, self.ctx = pool, ctx
-        self._futures: dict = {}
-        for name in RUNS:  # RUNS order is the start order
-            if name in self._closure(wanted):
-                self._start(name)
-
-    def _closure(self, names: set[str]) -> set[str]:
-        out: set[str] = set()
-        todo = list(names)
-        while todo:
-            n = todo.pop()
-            if n not in out:
-                out.add(n)
-                todo.extend(RUNS[n].deps)
-        return out
-
-    def _start(self, name: str):
-        if name not in self._futures:
-            for dep in RUNS[name].deps:
-                self._start(dep)
-            self._futures[name] = self.pool.submit(self._task, name)
-        return self._futures[name]
-
-    def _task(self, name: str) -> EngineRun:
-        d = RUNS[name]
-        for dep in d.deps:
-            try:
-                self._futures[dep].result()
-            except Exception as exc:
-                raise AssertionError(f"engine run {name!r} needs {dep!r}, which failed:\n{exc}") from None
-        if d.before:
-            d.before(self.ctx)
-        run = self.pool.run(d.spec(self.ctx), name, expect_failure=d.expect_failure)
-        if d.after:
-            d.after(self.ctx)
-        return run
-
-    def __getitem__(self, name: str) -> EngineRun:
-        return self._start(name).result()
-
-
 def engine_runs(*names: str):
-    unknown = set(names) - set(RUNS)
-    assert not unknown, unknown
-    return pytest.mark.engine_runs(*names)
+    return runs_marker(RUNS, *names)
 
 
 @pytest.fixture(scope="module")
 def runs(request, engine_pool, tiny_models, tmp_path_factory) -> Runs:
-    wanted: set[str] = set()
-    for item in request.session.items:
-        if getattr(item, "module", None) is request.module:
-            for mark in item.iter_markers("engine_runs"):
-                wanted.update(mark.args)
-    return Runs(engine_pool, Ctx(tiny_models, tmp_path_factory.mktemp("tiers")), wanted)
+    return start_runs(RUNS, request, engine_pool, tiny_models, tmp_path_factory)
 
 
 # ------------------------------------------------------------------ checks

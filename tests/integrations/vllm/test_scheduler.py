@@ -13,8 +13,10 @@ import pytest
 from kvtier.codec import encode
 from kvtier.config import parse_store_config
 from kvtier.engine.store import TieredStore
+from kvtier.integrations.vllm.group import GroupView
+from kvtier.integrations.vllm.metrics import connector_metrics
 from kvtier.integrations.vllm.scheduler import KVTierScheduler
-from kvtier.integrations.vllm.settings import Settings
+from kvtier.integrations.vllm.settings import Settings, Topology
 from kvtier.keys import Namespace, next_key, root_key
 
 BS, C = 4, 8  # engine block size, chunk tokens
@@ -24,11 +26,16 @@ NS = Namespace("m", "fp", "float32", "test", 1, 1, 4, chunk_tokens=C)
 @pytest.fixture
 def sched():
     cfg = parse_store_config({"tiers": ["memory://?capacity=64MiB"], "chunk_tokens": C})
-    store = TieredStore(cfg)
-    s = KVTierScheduler(Settings(cfg, NS, BS, 1, "float32"), store, {"memory": "memory"})
+    s = _scheduler(cfg, TieredStore(cfg))
     yield s
     s.close()
-    store.close()
+
+
+def _scheduler(cfg, store) -> KVTierScheduler:
+    """A scheduler whose view looks up in ``store`` (the test fills it)."""
+    settings = Settings(cfg, NS, BS, 1, "float32", Topology(1, None))
+    s = KVTierScheduler(settings, GroupView(settings, stores=[store]), connector_metrics())
+    return s
 
 
 def request(rid, tokens, prompt=None, salt=None, **kw):
@@ -44,7 +51,7 @@ def store_chunks(s, tokens, lengths, salt=""):
     prev, pos = root_key(NS.with_salt(salt).digest()), 0
     for n in lengths:
         k = next_key(prev, tokens[pos : pos + n])
-        s.store.put([encode(k, "float32", (1, n // BS, 1, 2 * BS, 4), bytes(n * 32))])
+        s.view.stores[0].put([encode(k, "float32", (1, n // BS, 1, 2 * BS, 4), bytes(n * 32))])
         prev = k if n == C else prev
         pos += n
 
@@ -142,7 +149,7 @@ def test_saves_full_chunks_as_they_fill_and_the_prompt_tail(sched):
     # The saved chunks are the ones a later lookup computes.
     keys = [c.key for c in meta.saves[0].chunks + job.chunks]
     for k, blocks in zip(keys, ([5, 6], [7, 8], [9])):
-        sched.store.put([encode(k, "float32", (1, len(blocks), 1, 2 * BS, 4), bytes(k.num_tokens * 32))])
+        sched.view.stores[0].put([encode(k, "float32", (1, len(blocks), 1, 2 * BS, 4), bytes(k.num_tokens * 32))])
     assert ask(sched, request("b", TOK[:22])) == (20, False)
 
 
@@ -169,7 +176,7 @@ def test_after_a_failed_load_the_request_is_never_claimed_again(sched):
 def test_a_hit_on_disk_is_loaded_asynchronously(tmp_path):
     cfg = parse_store_config({"tiers": [{"kind": "disk", "path": str(tmp_path), "capacity": "64MiB"}], "chunk_tokens": C})
     store = TieredStore(cfg)
-    s = KVTierScheduler(Settings(cfg, NS, BS, 1, "float32"), store, {"disk": "disk"})
+    s = _scheduler(cfg, store)
     try:
         store_chunks(s, TOK, [C, C])
         store.flush()

@@ -14,10 +14,12 @@ import torch
 from kvtier.codec import encode
 from kvtier.config import parse_store_config
 from kvtier.engine.store import TieredStore
-from kvtier.integrations.vllm import runtime
-from kvtier.integrations.vllm.metadata import ChunkIO, KVTierMetadata, LoadJob
-from kvtier.integrations.vllm.settings import Settings
+from kvtier.integrations.vllm.metadata import ChunkIO, KVTierMetadata, LoadJob, SaveJob
+from kvtier.integrations.vllm.metrics import connector_metrics
+from kvtier.integrations.vllm.settings import Settings, Topology
 from kvtier.integrations.vllm.worker import KVTierWorker
+from kvtier.keys import shard_key
+from kvtier.tiers.files import ObjectDir
 from tests.support import NS, keys_for
 
 BS = NS.chunk_tokens  # one engine block per chunk
@@ -25,20 +27,24 @@ LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(NS.num_layers)]
 NUM_BLOCKS = 8
 
 
-@pytest.fixture
-def rig(tmp_path):
-    # A long load timeout: waiting for the whole prefetch would show as a stall.
-    cfg = parse_store_config({"chunk_tokens": BS, "load_timeout_s": 60, "tiers": [
-        {"kind": "memory", "capacity": "1MiB"},
-        {"kind": "disk", "path": str(tmp_path / "disk"), "capacity": "1MiB", "io_threads": 4}]})
-    store = TieredStore(cfg)
-    worker = KVTierWorker(Settings(cfg, NS, BS, NS.num_layers, "float16"), store, LAYERS, NUM_BLOCKS)
+def _worker(cfg, topology: Topology) -> tuple[KVTierWorker, dict]:
+    settings = Settings(cfg, NS, BS, NS.num_layers, "float16", topology)
+    store = TieredStore(settings.shard_config(topology.own_shard))
+    worker = KVTierWorker(settings, store, LAYERS, NUM_BLOCKS, connector_metrics())
     # vLLM's CPU attention layout: [blocks, kv heads, block size, 2 * head dim].
     caches = {n: torch.zeros(NUM_BLOCKS, NS.num_kv_heads, BS, 2 * NS.head_dim, dtype=torch.float16) for n in LAYERS}
     worker.register_kv_caches(caches)
-    yield store, worker, caches
+    return worker, caches
+
+
+@pytest.fixture
+def rig(tmp_path):
+    cfg = parse_store_config({"chunk_tokens": BS, "load_timeout_s": 60, "tiers": [
+        {"kind": "memory", "capacity": "1MiB"},
+        {"kind": "disk", "path": str(tmp_path / "disk"), "capacity": "1MiB", "io_threads": 4}]})
+    worker, caches = _worker(cfg, Topology(1, 0))
+    yield worker.store, worker, caches
     worker.close()
-    store.close()
 
 
 def _payload(i: int, shape) -> torch.Tensor:
@@ -49,9 +55,18 @@ def _block_holds(caches, block: int, value: float) -> bool:
     return all(bool((t[block] == value).all()) for t in caches.values())
 
 
-def test_prefetched_chunks_are_copied_in_while_later_ones_are_still_read(rig):
-    """A load fed by the prefetch its lookup started copies each chunk as soon
-    as the prefetch stored it: it does not wait for the whole read."""
+def _finish(worker, rid: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    done: set[str] = set()
+    while rid not in done:
+        assert time.monotonic() < deadline, "the load never finished"
+        _, finished = worker.get_finished(set(), idle=True)
+        done |= finished or set()
+
+
+def test_chunks_are_copied_in_while_later_ones_are_still_read(rig):
+    """An asynchronous load hands each chunk over as it is read: the engine
+    thread copies the first ones in while later reads are held back."""
     store, worker, caches = rig
     keys = keys_for(5, 6)
     shape = worker.layout.chunk_shape(1)
@@ -67,7 +82,6 @@ def test_prefetched_chunks_are_copied_in_while_later_ones_are_still_read(rig):
         return read(key)
 
     disk._read_one = held_back_after_three
-    runtime.set_prefetch("r1", store.prefetch(keys))
     job = LoadJob("r1", [ChunkIO(k, [i + 1]) for i, k in enumerate(keys)], ["disk"] * len(keys))
     worker.start_load_kv(KVTierMetadata(loads=[job]))
 
@@ -77,46 +91,46 @@ def test_prefetched_chunks_are_copied_in_while_later_ones_are_still_read(rig):
         _, finished = worker.get_finished(set(), idle=True)
         assert not finished  # chunks 3-5 are not read yet
     assert not _block_holds(caches, 4, 4)
-
     gate.set()
-    done: set[str] = set()
-    while "r1" not in done:
-        assert time.monotonic() < deadline + 10, "the load never finished"
-        _, finished = worker.get_finished(set(), idle=True)
-        done |= finished or set()
+    _finish(worker, "r1", 15)
     assert all(_block_holds(caches, i + 1, i + 1) for i in range(6))
     assert worker.get_block_ids_with_load_errors() == set()
-    assert runtime.pop_prefetch("r1") is None
 
 
-def test_a_prefetch_that_stops_short_leaves_the_rest_to_the_load(rig):
-    """Memory gives up on the prefetch after two chunks: the load reads the
-    others from disk itself, and every block arrives."""
-    store, worker, caches = rig
-    keys = keys_for(6, 5)
-    shape = worker.layout.chunk_shape(1)
-    objs = [encode(k, "float16", shape, _payload(i, shape).numpy().tobytes()) for i, k in enumerate(keys)]
-    store.tier("disk").store(objs)
-    memory = store.tier("memory")
-    stored = memory.store
-    calls = []
+def test_each_rank_saves_and_loads_only_its_own_shard(tmp_path):
+    """Two TP ranks save the same chunk of the group's chain: two objects
+    under two names. Each rank loads back its own shard; with rank 1's shard
+    gone, rank 1 reports the chunk's block as failed (vLLM recomputes it for
+    every rank) and does not take rank 0's shard instead."""
+    cfg = parse_store_config({"chunk_tokens": BS, "tiers": [
+        {"kind": "shared", "path": str(tmp_path / "shared"), "capacity": "1MiB", "io_threads": 2}]})
+    ranks = [_worker(cfg, Topology(2, r)) for r in (0, 1)]
+    try:
+        key = keys_for(7, 1)[0]
+        for r, (worker, caches) in enumerate(ranks):
+            for t in caches.values():
+                t[1].fill_(float(10 + r))
+            worker.wait_for_save(KVTierMetadata(saves=[SaveJob("s", [ChunkIO(key, [1])])]))
+            assert worker.store.flush(10)
+        odir = ObjectDir(tmp_path / "shared", "test")
+        names = {e.key_hex for e in odir.scan()}
+        assert names == {shard_key(key, 0, 2).hex, shard_key(key, 1, 2).hex}
+        assert key.hex not in names
 
-    def refuse_after_two(batch):
-        calls.append(len(batch))
-        return stored(batch) if len(calls) <= 2 else 0
+        for r, (worker, caches) in enumerate(ranks):
+            for t in caches.values():
+                t[2].zero_()
+            worker.start_load_kv(KVTierMetadata(loads=[LoadJob("l", [ChunkIO(key, [2])], ["shared"])]))
+            _finish(worker, "l")
+            assert _block_holds(caches, 2, float(10 + r)), f"rank {r} loaded another rank's shard"
+            assert worker.get_block_ids_with_load_errors() == set()
 
-    memory.store = refuse_after_two
-    pf = store.prefetch(keys)
-    assert pf.result(10) == 2
-    memory.store = stored
-    runtime.set_prefetch("r2", pf)
-    job = LoadJob("r2", [ChunkIO(k, [i + 1]) for i, k in enumerate(keys)], ["disk"] * len(keys))
-    worker.start_load_kv(KVTierMetadata(loads=[job]))
-    deadline = time.monotonic() + 10
-    done: set[str] = set()
-    while "r2" not in done:
-        assert time.monotonic() < deadline, "the load never finished"
-        _, finished = worker.get_finished(set(), idle=True)
-        done |= finished or set()
-    assert all(_block_holds(caches, i + 1, i + 1) for i in range(5))
-    assert worker.get_block_ids_with_load_errors() == set()
+        odir.unlink(shard_key(key, 1, 2))
+        worker, caches = ranks[1]
+        worker.start_load_kv(KVTierMetadata(loads=[LoadJob("m", [ChunkIO(key, [3])], ["shared"])]))
+        _finish(worker, "m")
+        assert worker.get_block_ids_with_load_errors() == {3}
+        assert not _block_holds(caches, 3, 10.0)
+    finally:
+        for worker, _ in ranks:
+            worker.close()

@@ -1,0 +1,90 @@
+"""The scheduler's view of a TP group's chunks, from the scheduler's process.
+
+vLLM's scheduler decides how many tokens kvtier serves; the workers, one per
+TP rank and usually each in its own process, hold the shards. A chunk is a
+hit only when every rank's shard of it is present, so the scheduler opens
+every tier the workers use, for every shard: the node's memory tier and
+shared tiers are the same objects whichever process opens them, and each
+rank's disk folder is read without owning it (``DiskReader``; its worker
+owns, writes and evicts it). Nothing here depends on sharing a process with
+a worker.
+
+Threads: ``lookup`` runs on the scheduler's lookup pool; ``close`` on the
+scheduler thread at shutdown.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from kvtier.engine.store import TieredStore
+from kvtier.integrations.vllm.settings import Settings
+from kvtier.keys import ChunkKey
+from kvtier.metrics import Metrics
+from kvtier.tiers import registry
+from kvtier.tiers.disk import DiskReader
+
+
+@dataclass(frozen=True)
+class GroupHit:
+    chunks: int  # leading chunks every shard holds
+    tiers: tuple[str, ...]  # per chunk: the slowest tier holding one of its shards
+
+
+class GroupView:
+    def __init__(self, settings: Settings, metrics: Metrics | None = None, chunk_bytes: int | None = None,
+                 stores: Sequence[TieredStore] | None = None):
+        """Opens one store per shard (disk folders as readers). ``stores``:
+        stores already open, one per shard, to look up in instead (the view
+        then owns them); tests that play the worker side pass their own."""
+        self.topology = settings.topology
+        self.stores: list[TieredStore] = list(stores or ())
+        try:
+            for shard in self.topology.shard_ranks[len(self.stores):]:
+                self.stores.append(TieredStore(settings.shard_config(shard), metrics, chunk_bytes=chunk_bytes,
+                                               tier_class=reader_class))
+        except BaseException:
+            self.close()
+            raise
+        first = self.stores[0]
+        self._order = {t.name: i for i, t in enumerate(first.tiers)}
+        self.host_memory = {t.name for t in first.tiers if t.host_memory}
+        self.kinds = {t.name: t.kind for t in first.tiers}
+
+    def lookup(self, keys: Sequence[ChunkKey]) -> GroupHit:
+        """Leading chunks of ``keys`` (the group's chain) whose every shard
+        is stored. Each shard is asked only for the prefix the shards before
+        it hold: the answer can only shrink."""
+        n = len(keys)
+        slowest = [-1] * n
+        names = list(self._order)
+        for shard, store in zip(self.topology.shard_ranks, self.stores):
+            if not n:
+                break
+            plan = store.lookup([self.topology.shard(k, shard) for k in keys[:n]])
+            n = plan.chunks
+            for seg in plan.segments:
+                rank = self._order[seg.tier]
+                for i in range(seg.start, min(seg.stop, n)):
+                    slowest[i] = max(slowest[i], rank)
+        return GroupHit(n, tuple(names[slowest[i]] for i in range(n)))
+
+    def in_host_memory(self, keys: Sequence[ChunkKey]) -> bool:
+        """Every shard of every key is in the node's memory tier (a stat per
+        shard on tmpfs: microseconds)."""
+        for shard, store in zip(self.topology.shard_ranks, self.stores):
+            memory = store.memory
+            if memory is None or memory.lookup([self.topology.shard(k, shard) for k in keys]) < len(keys):
+                return False
+        return bool(keys)
+
+    def close(self) -> None:
+        for store in self.stores:
+            store.close(drain=False)
+        self.stores = []
+
+
+def reader_class(spec) -> type:
+    """Open a disk tier's folder as a reader (its owner is another worker)."""
+    return DiskReader if spec.kind == "disk" else registry.resolve(spec.kind)

@@ -1,0 +1,69 @@
+"""The connector's Prometheus metrics, beside the store's (``kvtier.metrics``).
+
+prometheus_client registers a metric once per process, and vLLM may build
+two connectors in one process (scheduler and worker roles, when they share
+it), so the instruments are made once per process here and every connector
+of the process uses them. They hold no state of their own beyond counts.
+Under ``vllm serve`` with ``PROMETHEUS_MULTIPROC_DIR`` set (``kvtier serve``
+does), the API server merges every process's samples on its ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import REGISTRY, Counter, Histogram
+
+from kvtier.metrics import Metrics
+
+# Per-step work on the engine or scheduler thread: 0.1 ms to 1 s.
+_STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
+
+
+class ConnectorMetrics:
+    def __init__(self, registry=REGISTRY):
+        self.store = Metrics(registry)
+        self.external_hit_tokens = Counter(
+            "kvtier_vllm_external_hit_tokens",
+            "Tokens kvtier promised vLLM at admission (vLLM counts the same in external_prefix_cache_hits), by the "
+            "slowest tier that held one of their shards at lookup; failed loads are in kvtier_vllm_load_failed_blocks",
+            ["tier"], registry=registry)
+        self.load_failed_blocks = Counter(
+            "kvtier_vllm_load_failed_blocks",
+            "Engine blocks kvtier promised but could not load; vLLM recomputed them", registry=registry)
+        self.load_seconds = Histogram(
+            "kvtier_vllm_load_seconds",
+            "Time to read a request's chunks (loader thread, before the copy into the engine)",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=registry)
+        self.scatter_seconds = Histogram(
+            "kvtier_vllm_scatter_seconds",
+            "Time spent copying loaded chunks into engine blocks per step (engine thread)",
+            buckets=_STEP_BUCKETS, registry=registry)
+        self.save_seconds = Histogram(
+            "kvtier_vllm_save_seconds",
+            "Time spent gathering a step's finished chunks from the engine (in the forward's critical path)",
+            buckets=_STEP_BUCKETS, registry=registry)
+        self.lookup_seconds = Histogram(
+            "kvtier_vllm_lookup_seconds",
+            "Time from submitting a request's lookup to its answer (scheduler; host-memory answers included)",
+            buckets=_STEP_BUCKETS, registry=registry)
+        self.lookup_deferred = Counter(
+            "kvtier_vllm_lookup_deferred",
+            "Scheduler steps a request waited for its lookup (each costs the request one engine step)",
+            registry=registry)
+        self.saved_chunks = Counter(
+            "kvtier_vllm_saved_chunks", "Chunk shards gathered from the engine and handed to the store",
+            registry=registry)
+
+
+_lock = threading.Lock()
+_instance: ConnectorMetrics | None = None
+
+
+def connector_metrics() -> ConnectorMetrics:
+    """This process's instruments, on prometheus_client's default registry."""
+    global _instance
+    with _lock:
+        if _instance is None:
+            _instance = ConnectorMetrics()
+        return _instance
