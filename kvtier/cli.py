@@ -111,9 +111,11 @@ def cmd_bench_resume(args: argparse.Namespace) -> int:
 
     if args.model not in PRESETS:
         raise ConfigError("--model", f"unknown model preset {args.model!r}", f"use one of: {', '.join(PRESETS)}")
-    unknown = [c for c in args.configs if c not in resume.ALL_CONFIGS]
+    unknown = [c for c in args.configs if not resume.valid_config(c)]
     if unknown:
-        raise ConfigError("--configs", f"unknown configuration {unknown[0]!r}", f"use some of: {', '.join(resume.ALL_CONFIGS)}")
+        raise ConfigError("--configs", f"unknown configuration {unknown[0]!r}",
+                          f"use some of: {', '.join(resume.ALL_CONFIGS)} (kvtier ones with {resume.MP} for vLLM's "
+                          "multiprocess mode)")
     if args.instances < 1:
         raise ConfigError("--instances", f"must be at least 1, got {args.instances}", "pass --instances 3, say")
     chat = ChatShape(sessions=args.sessions, turns=args.turns, system_tokens=args.system_tokens,
@@ -368,7 +370,9 @@ def build_parser() -> argparse.ArgumentParser:
     br.add_argument("--contexts", type=_ints, default=(2048, 8192), help="w1/w3/w0: session lengths in tokens (default 2048,8192)")
     br.add_argument("--sessions", type=int, default=3, help="sessions per context, or w2 conversations (default 3)")
     br.add_argument("--configs", type=lambda t: [c for c in t.split(",") if c], default=[],
-                    help="configurations to run, comma-separated (default: all those of the workload)")
+                    help="configurations to run, comma-separated (default: all those of the workload); "
+                         "kvtier-X+mp runs kvtier-X in vLLM's default multiprocess mode and reports it against "
+                         "the single-process run")
     br.add_argument("--instances", type=int, default=3, help="w3: engine instances (default 3)")
     br.add_argument("--repeats", type=int, default=3, help="w0: alternating rounds per configuration (default 3)")
     br.add_argument("--turns", type=_ints, default=(2, 4), help="w2: turns per conversation, min,max (default 2,4)")

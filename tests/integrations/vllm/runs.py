@@ -24,6 +24,7 @@ class Ctx:
     models: dict[str, Path]
     root: Path
     notes: dict[str, Any] = field(default_factory=dict)  # what hooks did, for the tests
+    logs: dict[str, Path] = field(default_factory=dict)  # log of each finished run, for later hooks
 
     def dir(self, name: str) -> Path:
         return self.root / name
@@ -77,6 +78,7 @@ class Runs:
         if d.before:
             d.before(self.ctx)
         run = self.pool.run(d.spec(self.ctx), name, cpus=d.cpus, env=d.env, expect_failure=d.expect_failure)
+        self.ctx.logs[name] = run.log_path
         if d.after:
             d.after(self.ctx)
         return run

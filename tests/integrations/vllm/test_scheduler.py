@@ -198,3 +198,32 @@ def test_a_failed_synchronous_load_is_noticed_within_its_step(sched):
     sched.build_connector_meta(output())
     sched.update_connector_output(SimpleNamespace(finished_recving=None, invalid_block_ids={13}, failed_recving=set()))
     assert sched._reqs["a"].failed and sched._reqs["a"].saved_upto == 0  # its KV is recomputed: save it again
+
+
+def test_at_tp2_a_chunk_is_a_hit_only_when_every_ranks_shard_is_there(tmp_path):
+    """Rank 0 holds chunks 0-1, rank 1 only chunk 0 (each on its own disk
+    folder): the scheduler claims chunk 0 alone, read from the folders it
+    does not own."""
+    from kvtier.keys import shard_key
+
+    cfg = parse_store_config({"tiers": [{"kind": "disk", "path": str(tmp_path), "capacity": "64MiB"}],
+                              "chunk_tokens": C})
+    settings = Settings(cfg, NS, BS, 1, "float32", Topology(2, None))
+    writers = [TieredStore(settings.shard_config(r)) for r in (0, 1)]  # what each rank's worker owns
+    s = KVTierScheduler(settings, GroupView(settings), connector_metrics())
+    try:
+        prev, keys = root_key(NS.digest()), []
+        for i in range(2):
+            prev = next_key(prev, TOK[i * C : (i + 1) * C])
+            keys.append(prev)
+        for rank, n in ((0, 2), (1, 1)):
+            writers[rank].put([encode(shard_key(k, rank, 2), "float32", (1, C // BS, 1, 2 * BS, 4), bytes(C * 32))
+                               for k in keys[:n]])
+            assert writers[rank].flush(10)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["tp2-rank0", "tp2-rank1"]
+        req = request("a", TOK[:20])
+        assert ask(s, req) == (8, True)  # chunk 0 only; from disk: asynchronous
+    finally:
+        s.close()
+        for w in writers:
+            w.close()
