@@ -55,6 +55,8 @@ class _Req:
     saved_upto: int = 0  # tokens (chunk-aligned) already in kvtier
     tail_saved: bool = False
     loading_blocks: set[int] | None = None
+    bad_blocks: set[int] = field(default_factory=set)  # of loading_blocks, reported failed so far
+    load_failed: bool = False  # a rank reported the load failed (failed_recving)
     sync_load: bool = False
     failed: bool = False  # a load failed, or the request is not cacheable: never claim
 
@@ -312,19 +314,24 @@ class KVTierScheduler:
         for rid, st in self._reqs.items():
             if st.loading_blocks is None:
                 continue
-            # Async loads end when the worker reports them; synchronous ones
-            # within the step they were scheduled in.
+            # Under tensor parallelism each rank reports its failed blocks
+            # when its own load ends, while vLLM reports the load finished
+            # only once every rank has: collect them until then.
+            st.bad_blocks |= st.loading_blocks & invalid
+            st.load_failed |= rid in failed_ids
+            # Async loads end when vLLM reports them; synchronous ones within
+            # the step they were scheduled in.
             if not (st.sync_load or rid in finished):
                 continue
-            bad = st.loading_blocks & invalid
-            if rid in failed_ids or bad:
+            bad = st.bad_blocks
+            if st.load_failed or bad:
                 st.failed = True  # never claim again: vLLM would ask once more and loop
                 # What could not be loaded (corrupt, evicted, truncated) is
                 # recomputed now: save it again, or the hole stays for the
                 # next request with this prefix.
                 st.saved_upto, st.tail_saved = 0, False
                 self.metrics.load_failed_blocks.inc(len(bad))
-            st.loading_blocks = None
+            st.loading_blocks, st.bad_blocks, st.load_failed = None, set(), False
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
         st = self._reqs.pop(request.request_id, None)

@@ -14,18 +14,16 @@ owned by the worker of that rank, which the scheduler reads without owning.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 from kvtier.config import StoreConfig, TierSpec, load_config
+from kvtier.integrations.vllm import identity
 from kvtier.errors import ConfigError
 from kvtier.keys import ChunkKey, Namespace, shard_key
 
 SUPPORTED_VLLM = ("0.32.",)
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 _OWN_KEYS = {"config", "model_fingerprint"}
 
 
@@ -132,8 +130,8 @@ def load_settings(vllm_config: Any, kv_cache_config: Any, worker: bool) -> Setti
                           "run kvtier with pipeline_parallel_size 1 (tensor and data parallel are supported)")
     topology = Topology(int(pc.tensor_parallel_size), _tp_rank() if worker else None, replicated=bool(getattr(mc, "use_mla", False)))
     ns = Namespace(
-        model=f"{mc.model}@{mc.revision or ''}",
-        model_fingerprint=fingerprint or model_fingerprint(vllm_config),
+        model=identity.model_name(str(mc.model)),
+        model_fingerprint=model_fingerprint(vllm_config, fingerprint),
         kv_dtype=kv_dtype,
         layout=layout_name(vllm_config, spec),
         num_layers=len(groups[0].layer_names),
@@ -182,23 +180,18 @@ def layout_name(vllm_config: Any, spec: Any) -> str:
     return f"vllm{vllm.__version__}/{device}/{backend or 'auto'}/{variant}/bs{spec.block_size}/pages"
 
 
-def model_fingerprint(vllm_config: Any) -> str:
-    """Identity of the weights: for a local directory, its config and the
-    name, size and mtime of every weight file; otherwise model id and
-    revision. Also the load format (dummy weights differ from real ones)."""
+def model_fingerprint(vllm_config: Any, mode: str | None = None) -> str:
+    """Identity of the weights from their content (``identity.py``):
+    ``mode`` None samples the weight files, ``"full"`` hashes every byte
+    (cached); any other string is the fingerprint itself."""
+    from kvtier.integrations.vllm import identity
+
+    if mode not in (None, "", "full"):
+        return str(mode)
     mc = vllm_config.model_config
-    h = hashlib.sha256()
-    load_format = str(getattr(vllm_config.load_config, "load_format", ""))
-    h.update(f"{mc.model}|{mc.revision}|{load_format}|{mc.dtype}|{mc.quantization}".encode())
-    root = Path(str(mc.model))
-    if root.is_dir():
-        for p in sorted(root.iterdir()):
-            if p.name == "config.json":
-                h.update(p.read_bytes())
-            elif p.suffix in _WEIGHT_SUFFIXES:
-                st = p.stat()
-                h.update(f"{p.name}|{st.st_size}|{st.st_mtime_ns}".encode())
-    return h.hexdigest()
+    return identity.fingerprint(
+        str(mc.model), revision=mc.revision, load_format=str(getattr(vllm_config.load_config, "load_format", "")),
+        dtype=str(mc.dtype), quantization=mc.quantization, full=mode == "full")
 
 
 def _tp_rank() -> int:

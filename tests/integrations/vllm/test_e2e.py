@@ -201,6 +201,33 @@ def _evict() -> RunDef:
     })
 
 
+def _model_copy(name: str, shift_mtime: float = 0.0, change_tensor: bool = False):
+    """A byte-identical copy of the llama checkpoint at another path, its
+    files' mtimes shifted (as a second node that downloaded or rsynced its
+    own copy has), or with one tensor changed (other weights, same shapes)."""
+    def make(c: Ctx) -> None:
+        dst = c.dir(name)
+        shutil.copytree(c.models["llama"], dst)
+        for f in dst.iterdir():
+            st = f.stat()
+            os.utime(f, (st.st_atime + shift_mtime, st.st_mtime + shift_mtime))
+        if change_tensor:
+            from safetensors.torch import load_file, save_file
+
+            tensors = load_file(dst / "model.safetensors")
+            key = sorted(tensors)[0]
+            tensors[key] = tensors[key] * 1.01
+            save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return make
+
+
+def _copy_run(name: str, phase_: dict, deps=(), **copy) -> RunDef:
+    return RunDef(lambda c: {
+        "model": str(c.dir(name)), "kvtier": {"tiers": [tier_spec("shared", c.dir("copies-shared"))]},
+        "phases": [phase_],
+    }, deps=deps, before=_model_copy(name, **copy))
+
+
 _CONNECTOR = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
               "kv_role": "kv_both"}
 BAD_CONFIGS = {
@@ -229,6 +256,11 @@ RUNS: dict[str, RunDef] = {
     "qwen2-memory": _tier_run("qwen2", "memory"),
     "qwen2-disk": _tier_run("qwen2", "disk"),
     "qwen2-shared": _tier_run("qwen2", "shared"),
+    # Two nodes' own copies of one model share; a copy with other weights does not.
+    "copy-a": _copy_run("copy-a", phase("warm", [("C", None)])),
+    "copy-b": _copy_run("copy-b", phase("C", [("C", None)], reset=True), deps=("copy-a",), shift_mtime=-86400),
+    "copy-changed": _copy_run("copy-changed", phase("C", [("C", None)], reset=True), deps=("copy-a",),
+                              change_tensor=True),
     **{f"bad-{k}": RunDef(v, expect_failure=True) for k, v in BAD_CONFIGS.items()},
 }
 
@@ -408,6 +440,19 @@ def test_vllm_external_hits_equal_kvtier_hit_tokens(runs, name):
     ext = run.vllm_metric("vllm:external_prefix_cache_hits")
     assert ext > 0, run.where()
     assert sum(external_hits_by_tier(run).values()) == ext, f"{run.where()}: {run.out['kvtier_metrics']}"
+
+
+@engine_runs("copy-b", "copy-changed", "llama-baseline")
+def test_copies_of_a_model_at_other_paths_share_and_other_weights_do_not(runs):
+    """Engine A writes C through a shared directory from its copy of the
+    checkpoint; B's copy is byte-identical at another path with other
+    mtimes (a second node's download): it resumes C from A's chunks,
+    token-exact. A copy with one tensor changed finds nothing."""
+    b, changed = runs["copy-b"], runs["copy-changed"]
+    assert b.only("C")["num_cached_tokens"] == 896 >= 0.8 * len(P["C"]), b.where()
+    assert assert_same_output(b, runs["llama-baseline"]) == 1
+    assert changed.only("C")["num_cached_tokens"] == 0, changed.where()
+    assert changed.vllm_metric("vllm:external_prefix_cache_hits") == 0, changed.where()
 
 
 @pytest.mark.parametrize("key", [pytest.param(k, marks=engine_runs(f"bad-{k}"), id=k) for k in BAD_CONFIGS])

@@ -227,3 +227,26 @@ def test_at_tp2_a_chunk_is_a_hit_only_when_every_ranks_shard_is_there(tmp_path):
         s.close()
         for w in writers:
             w.close()
+
+
+def test_a_failure_reported_before_the_load_finished_still_counts(tmp_path):
+    """At TP=2 one rank reports its failed blocks in one step, and vLLM
+    reports the load finished a step later, once the other rank is done: the
+    request is still marked failed (not claimed again, stored again)."""
+    cfg = parse_store_config({"tiers": [{"kind": "disk", "path": str(tmp_path), "capacity": "64MiB"}], "chunk_tokens": C})
+    store = TieredStore(cfg)
+    s = _scheduler(cfg, store)
+    try:
+        store_chunks(s, TOK, [C, C])
+        store.flush()
+        req = request("a", TOK[:20])
+        assert ask(s, req) == (16, True)
+        s.update_state_after_alloc(req, Blocks([10, 11, 12, 13, 14]), 16)
+        s.build_connector_meta(output())
+        s.update_connector_output(SimpleNamespace(finished_recving=None, invalid_block_ids={12}, failed_recving=set()))
+        s.update_connector_output(SimpleNamespace(finished_recving={"a"}, invalid_block_ids=set(), failed_recving=set()))
+        assert s._reqs["a"].failed and s._reqs["a"].saved_upto == 0
+        assert ask(s, req) == (0, False)
+    finally:
+        s.close()
+        store.close()

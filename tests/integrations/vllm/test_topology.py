@@ -66,7 +66,7 @@ READER_RESUMES = [
     ("C", None, None), ("B", None, None),
     ("A", None, 256),  # chunk 1 lacks rank 1's shard: only chunk 0 is a hit
     ("D", None, 768),  # C's chunk 1 stored again after its failed load; D's chunk 2 from the writer
-    ("S", "bob", 0), ("S", "alice", 512),
+    ("S", "carol", 0), ("S", "alice", 512),  # (the writer stored S under alice and bob)
     ("A2", None, 768),  # A's chunk 1 stored again; A2's chunk 2 from the writer
 ]
 NODE_B_RESUMES = [("B", None, 640), ("S", "alice", 512)]
