@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed
 SYSDEPS := .sysdeps.installed
 DEMO_DIR ?= .demo-store
 
-.PHONY: demo test venv sysdeps clean
+.PHONY: demo test venv sysdeps demo-sysdeps clean
 
 venv: $(STAMP)
 
@@ -21,18 +21,26 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
 	touch $@
 
-# Debian packages the benchmarks and tests use: fio (storage limit),
-# tcmalloc (vLLM on CPU prefills faster with it preloaded), redis-server (the
-# redis tier's tests start real servers).
-SYSPKGS := fio libtcmalloc-minimal4 redis-server
-sysdeps:
-	@{ command -v fio >/dev/null 2>&1 && command -v redis-server >/dev/null 2>&1 \
-	   && [ -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 -o -e /usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4 ]; } || { \
-	  echo "installing $(SYSPKGS) (Debian packages)"; \
-	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SYSPKGS)) >/dev/null \
-	  || { echo "could not install them: run 'apt-get install $(SYSPKGS)' as root"; exit 1; }; }
+# Debian packages: the demo needs fio (the storage limit) and tcmalloc (vLLM
+# on CPU prefills faster with it preloaded); the tests also start real
+# redis-server instances. Installed only when missing (root needed then).
+DEMO_PKGS := fio libtcmalloc-minimal4
+TEST_PKGS := $(DEMO_PKGS) redis-server
+HAVE_TCMALLOC := [ -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 -o -e /usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4 ]
+define install_missing
+	@{ $(2); } || { \
+	  echo "installing $(1) (Debian packages)"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(1)) >/dev/null \
+	  || { echo "could not install them: run 'apt-get install $(1)' as root"; exit 1; }; }
+endef
 
-demo: venv sysdeps
+demo-sysdeps:
+	$(call install_missing,$(DEMO_PKGS),command -v fio >/dev/null 2>&1 && $(HAVE_TCMALLOC))
+
+sysdeps:
+	$(call install_missing,$(TEST_PKGS),command -v fio >/dev/null 2>&1 && command -v redis-server >/dev/null 2>&1 && $(HAVE_TCMALLOC))
+
+demo: venv demo-sysdeps
 	$(VENV)/bin/kvtier demo --dir $(DEMO_DIR) --json $(DEMO_DIR)/demo.json
 
 test: venv sysdeps

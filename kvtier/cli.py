@@ -123,7 +123,8 @@ def cmd_bench_resume(args: argparse.Namespace) -> int:
                      arrival_rate=args.rate, concurrency=args.concurrency)
     cfg = resume.ResumeConfig(
         workdir=Path(args.dir), workload=args.workload, model=args.model, contexts=args.contexts,
-        sessions=args.sessions, configs=tuple(args.configs), dummy_weights=not args.checkpoint, chat=chat,
+        sessions=args.sessions, configs=tuple(args.configs), dummy_weights=not args.checkpoint, dtype=args.dtype,
+        chat=chat,
         instances=args.instances, repeats=args.repeats, fio=not args.no_fio, vocab=args.vocab, seed=args.seed,
     )
     if args.endpoint:
@@ -147,7 +148,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     cfg = resume.ResumeConfig(workdir=Path(args.dir), workload="w1", model=args.model, contexts=(args.tokens,),
                               sessions=args.sessions)
-    print(f"kvtier demo: {args.sessions} sessions of {args.tokens} tokens ({args.model}, dummy weights) are "
+    print(f"kvtier demo: {args.sessions} sessions of {args.tokens} tokens ({args.model}, dummy weights in "
+          f"{resume.resolve_dtype(cfg.dtype)}) are "
           f"prefilled, evicted by the engine, then resumed; one vLLM engine per configuration, "
           f"{len(cfg.config_names())} configurations. Engine logs: {Path(args.dir) / 'logs'}")
     summary = resume.run(cfg, progress=_progress_factory(True))
@@ -157,68 +159,71 @@ def cmd_demo(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
         paths.append(Path(args.json))
     print("\nwrote " + ", ".join(str(p) for p in paths))
+    if summary.get("failed"):
+        names = ", ".join(sorted({f["config"] for f in summary["failed"]}))
+        print(f"kvtier demo: {names} failed (engine logs in {Path(args.dir) / 'logs'})", file=sys.stderr)
+        return 1
     return 0
 
 
 # ---------------------------------------------------------------- store admin
 
 
-def _open_shared(args: argparse.Namespace):
-    from kvtier.tiers.shared import SharedConfig, SharedTier
+def _look(args: argparse.Namespace):
+    """The store at ``--dir``, opened to look only: nothing is created,
+    swept or written (a missing store is an error; a read-only mount works)."""
+    from kvtier.tiers.files import ObjectDir
 
-    capacity = args.capacity if getattr(args, "capacity", None) else 1 << 62
-    cfg = SharedConfig(path=args.dir, capacity=capacity, gc_interval_s=0,
-                       high_watermark=getattr(args, "high_watermark", 0.95),
-                       low_watermark=getattr(args, "low_watermark", 0.85))
+    return ObjectDir(args.dir, "--dir", create=False)
+
+
+def _gc_config(args: argparse.Namespace):
+    from kvtier.tiers.shared import SharedConfig
+
+    cfg = SharedConfig(path=args.dir, capacity=args.capacity, gc_interval_s=0,
+                       high_watermark=args.high_watermark, low_watermark=args.low_watermark)
     cfg.validate("")
-    return SharedTier(cfg)
+    return cfg
 
 
 def cmd_store_ls(args: argparse.Namespace) -> int:
-    tier = _open_shared(args)
-    try:
-        n = 0
-        for e in tier.dir.scan():
-            ts = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.mtime))
-            print(f"{e.ns_hex}  {e.key_hex}  {e.size:>12}  {ts}")
-            n += 1
-            if args.limit and n >= args.limit:
-                break
-    finally:
-        tier.close()
+    odir = _look(args)
+    n = 0
+    for e in odir.scan():
+        ts = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.mtime))
+        print(f"{e.ns_hex}  {e.key_hex}  {e.size:>12}  {ts}")
+        n += 1
+        if args.limit and n >= args.limit:
+            break
     return 0
 
 
 def cmd_store_stat(args: argparse.Namespace) -> int:
-    tier = _open_shared(args)
-    try:
-        per_ns: dict[str, list[int]] = {}
-        oldest, newest = None, None
-        for e in tier.dir.scan():
-            c = per_ns.setdefault(e.ns_hex, [0, 0])
-            c[0] += 1
-            c[1] += e.size
-            oldest = e.mtime if oldest is None else min(oldest, e.mtime)
-            newest = e.mtime if newest is None else max(newest, e.mtime)
-        tmp = sum(1 for _ in tier.dir.tmp.iterdir())
-        quarantined = sum(1 for _ in tier.dir.quarantine_dir.iterdir())
-        objects = sum(c[0] for c in per_ns.values())
-        nbytes = sum(c[1] for c in per_ns.values())
-        doc = {
-            "directory": str(Path(args.dir).resolve()),
-            "objects": objects,
-            "bytes": nbytes,
-            "namespaces": {k: {"objects": v[0], "bytes": v[1]} for k, v in sorted(per_ns.items())},
-            "temp_files": tmp,
-            "quarantined": quarantined,
-            "oldest_access": oldest,
-            "newest_access": newest,
-        }
-        if args.capacity:
-            doc["capacity"] = args.capacity
-            doc["used_fraction"] = nbytes / args.capacity
-    finally:
-        tier.close()
+    odir = _look(args)
+    per_ns: dict[str, list[int]] = {}
+    oldest, newest = None, None
+    for e in odir.scan():
+        c = per_ns.setdefault(e.ns_hex, [0, 0])
+        c[0] += 1
+        c[1] += e.size
+        oldest = e.mtime if oldest is None else min(oldest, e.mtime)
+        newest = e.mtime if newest is None else max(newest, e.mtime)
+    tmp, quarantined = odir.count("tmp"), odir.count("quarantine")
+    objects = sum(c[0] for c in per_ns.values())
+    nbytes = sum(c[1] for c in per_ns.values())
+    doc = {
+        "directory": str(Path(args.dir).resolve()),
+        "objects": objects,
+        "bytes": nbytes,
+        "namespaces": {k: {"objects": v[0], "bytes": v[1]} for k, v in sorted(per_ns.items())},
+        "temp_files": tmp,
+        "quarantined": quarantined,
+        "oldest_access": oldest,
+        "newest_access": newest,
+    }
+    if args.capacity:
+        doc["capacity"] = args.capacity
+        doc["used_fraction"] = nbytes / args.capacity
     if args.json:
         print(json.dumps(doc, indent=2))
         return 0
@@ -238,27 +243,35 @@ def cmd_store_stat(args: argparse.Namespace) -> int:
 def cmd_store_verify(args: argparse.Namespace) -> int:
     from kvtier.tiers.verify import verify_directory
 
-    tier = _open_shared(args)
-    try:
-        entries = list(tier.dir.scan())
-        tick = _progress_factory(not args.no_progress)("verify", len(entries))
-        report = verify_directory(tier, entries, quarantine=not args.no_quarantine, tick=tick)
-    finally:
-        tier.close()
-    print(f"verified {report.ok} objects; {len(report.bad)} bad" + (" (quarantined)" if report.bad and not args.no_quarantine else ""))
+    odir = _look(args)
+    entries = list(odir.scan())
+    tick = _progress_factory(not args.no_progress)("verify", len(entries))
+    report = verify_directory(odir, entries, quarantine=args.quarantine, tick=tick)
+    print(f"verified {report.ok} objects; {len(report.bad)} bad"
+          + ((" (quarantined)" if args.quarantine else " (left in place; --quarantine moves them aside)")
+             if report.bad else ""))
     for path, why in report.bad[:50]:
         print(f"  {path}: {why}")
     return 0 if not report.bad else 1
 
 
 def cmd_store_gc(args: argparse.Namespace) -> int:
+    from kvtier.tiers.shared import SharedTier, plan_collection
+
     if not args.capacity:
         raise ConfigError("--capacity", "is required for gc", "pass the shared tier's capacity, e.g. --capacity 10TiB")
-    tier = _open_shared(args)
-    try:
-        r = tier.gc(dry_run=args.dry_run)
-    finally:
-        tier.close()
+    cfg = _gc_config(args)
+    odir = _look(args)  # an existing store only: gc never creates one
+    if args.dry_run:
+        # What a pass would delete, computed without touching anything (no
+        # lease, no sweep, no deletion).
+        r = plan_collection(list(odir.scan()), cfg)
+    else:
+        tier = SharedTier(cfg)
+        try:
+            r = tier.gc()
+        finally:
+            tier.close()
     if not r.ran:
         print("another collector holds the lease; nothing done")
         return 0
@@ -369,6 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
     br.add_argument("--model", default="qwen2.5-0.5b", help="model shape preset (default qwen2.5-0.5b; tiny-llama for a smoke run)")
     br.add_argument("--contexts", type=_ints, default=(2048, 8192), help="w1/w3/w0: session lengths in tokens (default 2048,8192)")
     br.add_argument("--sessions", type=int, default=3, help="sessions per context, or w2 conversations (default 3)")
+    br.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
+                    help="dummy weights' dtype (default auto: bfloat16 where the host computes it natively, "
+                         "float32 on CPUs without AVX512-BF16/AMX, which emulate bfloat16 ~100x slower)")
     br.add_argument("--configs", type=lambda t: [c for c in t.split(",") if c], default=[],
                     help="configurations to run, comma-separated (default: all those of the workload); "
                          "kvtier-X+mp runs kvtier-X in vLLM's default multiprocess mode and reports it against "
@@ -400,7 +416,11 @@ def build_parser() -> argparse.ArgumentParser:
     br.set_defaults(func=cmd_bench_resume)
     __import__("kvtier.bench.soak", fromlist=["register"]).register(bsub)
 
-    store = sub.add_parser("store", help="inspect and maintain a shared (or disk) tier directory")
+    store = sub.add_parser(
+        "store", help="inspect and maintain a shared (or disk) tier directory",
+        description="ls, stat and verify only look: they open the directory read-only, create nothing and "
+        "sweep nothing (a read-only mount works; a missing store is an error). Only gc (without --dry-run) "
+        "and verify --quarantine write.")
     ssub = store.add_subparsers(dest="store", required=True)
 
     def common(sp):
@@ -415,7 +435,9 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="print JSON")
     st.set_defaults(func=cmd_store_stat)
     vf = common(ssub.add_parser("verify", help="read every object and check its header and checksum"))
-    vf.add_argument("--no-quarantine", action="store_true", help="report bad objects but leave them in place")
+    vf.add_argument("--quarantine", action="store_true",
+                    help="move bad objects to the store's quarantine folder, as the tiers do (default: only report)")
+    vf.add_argument("--no-quarantine", action="store_false", dest="quarantine", help=argparse.SUPPRESS)
     vf.add_argument("--no-progress", action="store_true", help="no progress bar")
     vf.set_defaults(func=cmd_store_verify)
     gc = common(ssub.add_parser(
@@ -427,7 +449,8 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--capacity", type=_size, help="the tier's capacity, e.g. 10TiB (required)")
     gc.add_argument("--high-watermark", type=float, default=0.95, help="start collecting above this fraction (default 0.95)")
     gc.add_argument("--low-watermark", type=float, default=0.85, help="collect down to this fraction (default 0.85)")
-    gc.add_argument("--dry-run", action="store_true", help="report what would be deleted")
+    gc.add_argument("--dry-run", action="store_true",
+                    help="report what would be deleted, touching nothing (no lease, no sweep, no deletion)")
     gc.set_defaults(func=cmd_store_gc)
     __import__("kvtier.serve", fromlist=["register"]).register(sub)
     __import__("kvtier.plan.cli", fromlist=["register"]).register(sub)

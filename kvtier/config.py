@@ -10,7 +10,10 @@ Every error names the key and the fix (``ConfigError``).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
+import logging
+import math
 import os
 import re
 import types
@@ -61,8 +64,15 @@ def size_field(default: int, doc: str) -> Any:
     return field(default=default, metadata={"size": True, "doc": doc})
 
 
-def opt(default: Any, doc: str) -> Any:
-    return field(default=default, metadata={"doc": doc})
+def opt(default: Any, doc: str, *, ge: float | None = None, gt: float | None = None) -> Any:
+    """A config key: its default, its one-line doc, and its range (``ge``:
+    at least; ``gt``: greater than), which ``build`` checks for every key."""
+    meta: dict[str, Any] = {"doc": doc}
+    if ge is not None:
+        meta["ge"] = ge
+    if gt is not None:
+        meta["gt"] = gt
+    return field(default=default, metadata=meta)
 
 
 def check_watermarks(prefix: str, low: float, high: float) -> None:
@@ -90,6 +100,7 @@ def build(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
             raise ConfigError(full, "unknown key", f"use one of: {', '.join(sorted(known))}")
         f = known[name]
         kwargs[name] = _coerce(value, hints[name], f, full)
+        _check_range(kwargs[name], f, full)
     missing = [
         n for n, f in known.items()
         if n not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
@@ -101,6 +112,22 @@ def build(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
     if validate is not None:
         validate(prefix)
     return obj
+
+
+def _check_range(value: Any, f: dataclasses.Field, key: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(key, f"must be a finite number, got {value!r}", f"set {key} to a number of {_unit(key)}")
+    ge, gt = f.metadata.get("ge"), f.metadata.get("gt")
+    if ge is not None and value < ge:
+        raise ConfigError(key, f"must be at least {ge:g}, got {value!r}", f"set {key} to {ge:g} or more")
+    if gt is not None and value <= gt:
+        raise ConfigError(key, f"must be greater than {gt:g}, got {value!r}", f"set {key} to more than {gt:g}")
+
+
+def _unit(key: str) -> str:
+    return "seconds" if key.endswith("_s") else "units, e.g. 1"
 
 
 def _coerce(value: Any, hint: Any, f: dataclasses.Field, key: str) -> Any:
@@ -138,12 +165,12 @@ class TierSpec:
 @dataclass(frozen=True)
 class StoreConfig:
     tiers: tuple[TierSpec, ...]
-    chunk_tokens: int = opt(256, "tokens per chunk; a multiple of the engine's block size")
+    chunk_tokens: int = opt(256, "tokens per chunk; a multiple of the engine's block size", gt=0)
     save_queue_bytes: int = size_field(512 * MiB, "write-through backlog per store; saves beyond it are dropped and counted")
-    load_timeout_s: float = opt(10.0, "deadline for one load from a persistent tier; past it the rest is recomputed")
-    lookup_timeout_s: float = opt(2.0, "deadline for one batched lookup in a persistent tier")
-    breaker_threshold: int = opt(5, "consecutive failures that open a tier's circuit breaker")
-    breaker_cooldown_s: float = opt(10.0, "seconds a tripped tier is skipped before one probe call")
+    load_timeout_s: float = opt(10.0, "deadline for one load from a persistent tier; past it the rest is recomputed", gt=0)
+    lookup_timeout_s: float = opt(2.0, "deadline for one batched lookup in a persistent tier", gt=0)
+    breaker_threshold: int = opt(5, "consecutive failures that open a tier's circuit breaker", ge=1)
+    breaker_cooldown_s: float = opt(10.0, "seconds a tripped tier is skipped before one probe call", ge=0)
     promote: bool = opt(True, "keep chunks loaded from lower tiers in the memory tier")
     buffer_pool_bytes: int = size_field(256 * MiB, "recycled read buffers kept per store (saves page faults on cold reads)")
     node_memory_dir: str = opt("", "tmpfs folder where the vLLM connector keeps memory tiers, one for every process "
@@ -223,6 +250,31 @@ def load_file(path: str | os.PathLike) -> dict[str, Any]:
     return data
 
 
+log = logging.getLogger(__name__)
+
+# Tier secrets from the environment (never a file, never a command line):
+# VAR applies to every tier of its kind that sets no value itself; VAR_<NAME>
+# (the tier's name, upper case, "-" as "_") to that tier alone, first.
+SECRET_ENV = {
+    "redis": {"password": "KVTIER_REDIS_PASSWORD", "username": "KVTIER_REDIS_USERNAME"},
+    "s3": {"access_key_id": "KVTIER_S3_ACCESS_KEY_ID", "secret_access_key": "KVTIER_S3_SECRET_ACCESS_KEY"},
+}
+_URL_START = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def split_tier_urls(text: str) -> list[str]:
+    """``KVTIER_TIERS``: tier URLs separated by commas. A comma followed by
+    something that is not a new ``kind://`` belongs to the URL before it (a
+    Redis tier's node list: ``redis://h1:6379,h2:6379?cluster=true``)."""
+    out: list[str] = []
+    for part in text.split(","):
+        if out and not _URL_START.match(part.strip()):
+            out[-1] += "," + part
+        elif part.strip():
+            out.append(part.strip())
+    return out
+
+
 def env_values(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Values from ``KVTIER_*``: ``KVTIER_TIERS`` (comma-separated tier URLs)
     and ``KVTIER_<FIELD>`` for every scalar field of StoreConfig."""
@@ -231,8 +283,56 @@ def env_values(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     for f in dataclasses.fields(StoreConfig):
         var = f"KVTIER_{f.name.upper()}"
         if var in env:
-            out[f.name] = [u for u in env[var].split(",") if u] if f.name == "tiers" else env[var]
+            out[f.name] = split_tier_urls(env[var]) if f.name == "tiers" else env[var]
     return out
+
+
+def known_env_names() -> list[str]:
+    names = ["KVTIER_CONFIG"] + [f"KVTIER_{f.name.upper()}" for f in dataclasses.fields(StoreConfig)]
+    return names + [v for kind in SECRET_ENV.values() for v in kind.values()]
+
+
+def warn_unknown_env(environ: Mapping[str, str]) -> list[str]:
+    """Warn once per ``KVTIER_*`` variable kvtier does not read (a typo is
+    otherwise silently ignored), naming the closest one it does. Returns the
+    warnings. ``KVTIER_TEST_*`` belongs to kvtier's own test suite."""
+    known = known_env_names()
+    secret_prefixes = tuple(v + "_" for kind in SECRET_ENV.values() for v in kind.values())
+    out = []
+    for var in sorted(environ):
+        if (not var.startswith("KVTIER_") or var in known or var.startswith(secret_prefixes)
+                or var.startswith("KVTIER_TEST_") or var in _warned):
+            continue
+        close = difflib.get_close_matches(var, known, n=1, cutoff=0.6)
+        msg = f"{var} is not a kvtier setting and is ignored" + (f"; did you mean {close[0]}?" if close else "")
+        _warned.add(var)
+        log.warning("%s", msg)
+        out.append(msg)
+    return out
+
+
+_warned: set[str] = set()
+
+
+def _secrets_from_env(values: dict[str, Any], env: Mapping[str, str]) -> None:
+    """Fill tier secrets that the config leaves empty from ``SECRET_ENV``."""
+    for spec in values.get("tiers", ()):
+        cfg = spec.config
+        wanted = SECRET_ENV.get(spec.kind, {})
+        changes = {}
+        for field_name, var in wanted.items():
+            if getattr(cfg, field_name, None):
+                continue
+            own = f"{var}_{cfg.name.upper().replace('-', '_')}"
+            value = env.get(own) or env.get(var)
+            if value:
+                changes[field_name] = value
+        if changes:
+            spec_cfg = dataclasses.replace(cfg, **changes)
+            validate = getattr(spec_cfg, "validate", None)
+            if validate is not None:
+                validate(f"tiers[{cfg.name}].")
+            values["tiers"] = tuple(TierSpec(t.kind, spec_cfg) if t is spec else t for t in values["tiers"])
 
 
 def load_config(
@@ -247,13 +347,18 @@ def load_config(
         values.update(load_file(path))
     values.update(env_values(env))
     values.update(overrides or {})
-    return parse_store_config(values)
+    warn_unknown_env(env)
+    return parse_store_config(values, env)
 
 
-def parse_store_config(values: Mapping[str, Any]) -> StoreConfig:
+def parse_store_config(values: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> StoreConfig:
+    """``environ``: where tier secrets left empty come from (``SECRET_ENV``);
+    None takes none."""
     values = dict(values)
     raw_tiers = values.get("tiers") or []
     if isinstance(raw_tiers, (str, Mapping)):
         raw_tiers = [raw_tiers]
     values["tiers"] = tuple(parse_tier(t, f"tiers[{i}]") for i, t in enumerate(raw_tiers))
+    if environ is not None:
+        _secrets_from_env(values, environ)
     return build(StoreConfig, values, "")

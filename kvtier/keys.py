@@ -1,6 +1,7 @@
 """Chunk keys: token ids -> prefix-chained, namespace-rooted SHA-256 digests.
 
-    key_{-1} = SHA-256("kvtier-ns" ‖ namespace fields)
+    ns       = SHA-256("kvtier-ns" ‖ namespace fields)
+    key_{-1} = SHA-256("kvtier-root" ‖ ns)
     key_i    = SHA-256("kvtier-chunk" ‖ key_{i-1} ‖ len ‖ token ids of chunk i)
 
 Every field is length-prefixed (u64 little endian) so that no two different

@@ -47,11 +47,16 @@ def test_store_verify_finds_and_quarantines_corruption(tmp_path):
         b = f.read(1)
         f.seek(HEADER_BLOCK + 5)
         f.write(bytes([b[0] ^ 0xFF]))
+    before = _tree(tmp_path)
     proc = kvtier("store", "verify", "--dir", str(tmp_path), "--no-progress", check=False)
     assert proc.returncode == 1
-    assert "5 objects; 1 bad" in proc.stdout and "checksum" in proc.stdout
+    assert "5 objects; 1 bad" in proc.stdout and "checksum" in proc.stdout and "left in place" in proc.stdout
+    assert _tree(tmp_path) == before  # only looked
+    proc = kvtier("store", "verify", "--dir", str(tmp_path), "--no-progress", "--quarantine", check=False)
+    assert proc.returncode == 1 and "(quarantined)" in proc.stdout
     assert not paths[2].exists()
-    assert len(list((tmp_path / "kvtier-v1" / "quarantine").iterdir())) == 1
+    (moved,) = (tmp_path / "kvtier-v1" / "quarantine").iterdir()
+    assert moved.name.startswith(paths[2].stem + ".")  # the tiers' own naming: KEY.TIME.kvc
 
 
 def test_store_gc_collects_least_recently_used(tmp_path):
@@ -76,12 +81,59 @@ def test_store_gc_needs_capacity_and_sane_watermarks(tmp_path):
     assert proc.returncode == 2 and "low_watermark" in proc.stderr
 
 
-def test_unusable_directory_is_a_clear_error(tmp_path):
+def _tree(root) -> dict:
+    """Every path under ``root`` with its size and mtime (what "touched" means)."""
+    out = {}
+    for dirpath, dirs, files in os.walk(root):
+        for name in dirs + files:
+            p = os.path.join(dirpath, name)
+            st = os.lstat(p)
+            out[os.path.relpath(p, root)] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def test_a_missing_or_mistyped_store_is_an_error_and_is_not_created(tmp_path):
     f = tmp_path / "file"
     f.write_text("x")
-    proc = kvtier("store", "stat", "--dir", str(f / "sub"), check=False)
-    assert proc.returncode == 2
-    assert "not usable" in proc.stderr and "Fix:" in proc.stderr
+    for missing in (tmp_path / "typo", f / "sub"):
+        for cmd in (["stat"], ["ls"], ["verify", "--no-progress"], ["gc", "--capacity", "1GiB", "--dry-run"],
+                    ["gc", "--capacity", "1GiB"]):
+            proc = kvtier("store", *cmd, "--dir", str(missing), check=False)
+            assert proc.returncode == 2, (cmd, proc.stderr)
+            assert str(missing) in proc.stderr and "no kvtier store" in proc.stderr and "Fix:" in proc.stderr
+            assert not missing.exists()
+
+
+def test_looking_touches_nothing_and_works_on_a_read_only_mount(tmp_path):
+    _, objs, paths = populate(tmp_path / "store", n=10)
+    for i, p in enumerate(paths):
+        os.utime(p, (1000 + i, 1000 + i))
+    tmp = tmp_path / "store" / "kvtier-v1" / "tmp"
+    stale = tmp / "otherhost.1.abcd.tmp"  # another node's write in progress, hours old
+    stale.write_bytes(b"x")
+    os.utime(stale, (1, 1))
+    before = _tree(tmp_path / "store")
+    capacity = str(8 * objs[0].nbytes)
+    assert kvtier("store", "stat", "--dir", str(tmp_path / "store"), "--json").returncode == 0
+    assert len(kvtier("store", "ls", "--dir", str(tmp_path / "store")).stdout.splitlines()) == 10
+    assert "0 bad" in kvtier("store", "verify", "--dir", str(tmp_path / "store"), "--no-progress").stdout
+    out = kvtier("store", "gc", "--dir", str(tmp_path / "store"), "--capacity", capacity, "--dry-run").stdout
+    assert "would delete" in out
+    assert _tree(tmp_path / "store") == before  # nothing created, swept, stamped or deleted
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    mounted = subprocess.run(["mount", "--bind", str(tmp_path / "store"), str(ro)], capture_output=True).returncode == 0
+    assert mounted or os.geteuid() != 0, "root could not bind-mount: the read-only case was not tested"
+    if mounted:
+        try:
+            assert subprocess.run(["mount", "-o", "remount,bind,ro", str(ro)], capture_output=True).returncode == 0
+            assert len(kvtier("store", "ls", "--dir", str(ro)).stdout.splitlines()) == 10
+            assert json.loads(kvtier("store", "stat", "--dir", str(ro), "--json").stdout)["objects"] == 10
+            assert "0 bad" in kvtier("store", "verify", "--dir", str(ro), "--no-progress").stdout
+        finally:
+            subprocess.run(["umount", str(ro)], capture_output=True)
+    assert _tree(tmp_path / "store") == before
 
 
 def test_help_explains_every_command():
@@ -89,3 +141,12 @@ def test_help_explains_every_command():
     assert "bench" in top and "store" in top
     for sub in (["bench", "storage"], ["store", "gc"], ["store", "verify"], ["store", "stat"], ["store", "ls"]):
         assert "usage: kvtier" in kvtier(*sub, "--help").stdout
+
+
+def test_soak_refuses_a_directory_it_did_not_make(tmp_path):
+    mine = tmp_path / "precious"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    proc = kvtier("bench", "soak", "--dir", str(mine), check=False)
+    assert proc.returncode == 2 and "not made by kvtier bench soak" in proc.stderr and "Fix:" in proc.stderr
+    assert (mine / "notes.txt").read_text() == "keep me"

@@ -69,6 +69,23 @@ BAD = {
     "URL option without value": ({"tiers": ["memory://?capacity"]}, "tiers[0]"),
     "memory takes no location": ({"tiers": ["memory:///somewhere?capacity=1GiB"]}, "tiers[0]"),
     "tier of the wrong type": ({"tiers": [42]}, "tiers[0]"),
+    # Every numeric key has a range.
+    "breaker threshold zero": ({"tiers": [MEM], "breaker_threshold": 0}, "breaker_threshold"),
+    "negative breaker cooldown": ({"tiers": [MEM], "breaker_cooldown_s": -1}, "breaker_cooldown_s"),
+    "NaN load timeout": ({"tiers": [MEM], "load_timeout_s": "nan"}, "load_timeout_s"),
+    "infinite lookup timeout": ({"tiers": [MEM], "lookup_timeout_s": "inf"}, "lookup_timeout_s"),
+    "zero temp-file age (would delete other nodes' writes)": (
+        {"tiers": [{"kind": "shared", "path": "/x", "capacity": "1GiB", "tmp_max_age_s": 0}]}, "tiers[0].tmp_max_age_s"),
+    "negative touch interval": (
+        {"tiers": [{"kind": "shared", "path": "/x", "capacity": "1GiB", "touch_interval_s": -1}]},
+        "tiers[0].touch_interval_s"),
+    "zero lease": ({"tiers": [{"kind": "shared", "path": "/x", "capacity": "1GiB", "lease_s": 0}]}, "tiers[0].lease_s"),
+    "redis negative db": ({"tiers": [{"kind": "redis", "address": "h:1", "capacity": "1GiB", "db": -1}]}, "tiers[0].db"),
+    "redis infinite timeout": ({"tiers": [{"kind": "redis", "address": "h:1", "capacity": "1GiB",
+                                           "socket_timeout_s": "inf"}]}, "tiers[0].socket_timeout_s"),
+    "s3 zero attempts": ({"tiers": [{"kind": "s3", "location": "bucket/p", "capacity": "1GiB", "max_attempts": 0}]},
+                         "tiers[0].max_attempts"),
+    "shm zero io threads": ({"tiers": [{"kind": "shm", "capacity": "1GiB", "io_threads": 0}]}, "tiers[0].io_threads"),
 }
 
 
@@ -269,3 +286,48 @@ def test_a_missing_config_file(tmp_path):
     with pytest.raises(ConfigError) as exc:
         load_config(tmp_path / "absent.yaml", environ={})
     assert exc.value.key == "config" and "absent.yaml" in str(exc.value)
+
+
+def test_a_redis_node_list_in_kvtier_tiers_stays_one_tier():
+    cfg = load_config(environ={"KVTIER_TIERS": "memory://?capacity=1GiB,redis://10.0.0.1:6379,10.0.0.2:6379,"
+                                                 "10.0.0.3:6379?capacity=8GiB&cluster=true,shared:///mnt/kv?capacity=1TiB"})
+    assert [t.kind for t in cfg.tiers] == ["memory", "redis", "shared"]
+    redis = cfg.tiers[1].config
+    assert redis.nodes() == [("10.0.0.1", 6379), ("10.0.0.2", 6379), ("10.0.0.3", 6379)] and redis.cluster
+
+
+def test_tier_secrets_come_from_the_environment_and_never_show(caplog):
+    env = {"KVTIER_TIERS": "redis://127.0.0.1:6379?capacity=1GiB,redis://127.0.0.1:6380?capacity=1GiB&name=other",
+           "KVTIER_REDIS_PASSWORD": "s3cr3t-all", "KVTIER_REDIS_PASSWORD_OTHER": "s3cr3t-other",
+           "KVTIER_REDIS_USERNAME": "kv"}
+    cfg = load_config(environ=env)
+    first, other = (t.config for t in cfg.tiers)
+    assert (first.password, first.username) == ("s3cr3t-all", "kv")
+    assert other.password == "s3cr3t-other"  # the tier's own variable first
+    assert "s3cr3t" not in repr(cfg) and "s3cr3t" not in str(cfg)
+    from kvtier.tiers.redis import RedisTier
+
+    tier = RedisTier(first)
+    try:
+        kwargs = tier._connect().connection_pool.connection_kwargs  # what the client will send
+        assert kwargs["password"] == "s3cr3t-all" and kwargs["username"] == "kv"
+        assert "s3cr3t" not in repr(tier)
+    finally:
+        tier.close()
+    assert "s3cr3t" not in caplog.text
+    # A value in the config itself wins over the environment.
+    own = load_config(environ={**env, "KVTIER_TIERS": "redis://127.0.0.1:6379?capacity=1GiB&password=inline"})
+    assert own.tiers[0].config.password == "inline"
+
+
+def test_a_misspelled_variable_is_warned_about_with_the_closest_name(caplog):
+    import logging
+
+    from kvtier import config as config_mod
+
+    config_mod._warned.clear()
+    with caplog.at_level(logging.WARNING, logger="kvtier.config"):
+        load_config(environ={"KVTIER_TIERS": "memory://?capacity=1GiB", "KVTIER_CHUNK_TOKEN": "512",
+                             "KVTIER_TEST_ENGINES": "1", "KVTIER_REDIS_PASSWORD_X": "p"})
+    msgs = [r.getMessage() for r in caplog.records]
+    assert msgs == ["KVTIER_CHUNK_TOKEN is not a kvtier setting and is ignored; did you mean KVTIER_CHUNK_TOKENS?"]

@@ -57,6 +57,8 @@ import time
 import zlib
 from pathlib import Path
 
+from kvtier.errors import ConfigError
+
 FAULTS = ("flip", "truncate", "zero", "delete", "version", "swap", "symlink", "symlink-dir", "fifo", "vanish", "fill",
           "redis-stall")
 REFERENCES = {
@@ -89,6 +91,10 @@ def make_stream(sessions: int, requests: int, seed: int, vocab: int) -> list[lis
 
 # ---------------------------------------------------------------- the parent
 
+# A soak empties its working directory first: only one it made itself
+# (this file marks it), or an empty one.
+SOAK_MARK = ".kvtier-soak"
+
 
 def run(workdir: Path, requests: int = 60, sessions: int = 5, seed: int = 0, fault_rate: float = 8.0,
         max_tokens: int = 8, reference: str = "engine", faults: tuple[str, ...] = FAULTS, faults_per_request: int = 2,
@@ -104,9 +110,13 @@ def run(workdir: Path, requests: int = 60, sessions: int = 5, seed: int = 0, fau
 
     workdir = Path(workdir).resolve()
     if workdir.exists():
+        if any(workdir.iterdir()) and not (workdir / SOAK_MARK).is_file():
+            raise ConfigError("--dir", f"{workdir} is not empty and was not made by kvtier bench soak",
+                              "pass a new or empty directory (or one an earlier soak made); the soak empties it")
         _unmount_below(workdir)
         shutil.rmtree(workdir)
     workdir.mkdir(parents=True)
+    (workdir / SOAK_MARK).write_text("made by kvtier bench soak; emptied by the next soak in this folder\n")
     model = build_checkpoint("tiny-llama", workdir / "model")
     stream = make_stream(sessions, requests, seed, PRESETS["tiny-llama"][6])
     unique = sorted({tuple(p) for p in stream}, key=lambda p: (len(p), p))
@@ -330,7 +340,8 @@ def register(bench_subparsers) -> None:
             "root (a tmpfs is mounted)."
         ),
     )
-    p.add_argument("--dir", default=".soak", help="working directory: model, stores, engine logs (default .soak; emptied first)")
+    p.add_argument("--dir", default=".soak", help="working directory: model, stores, engine logs (default .soak; "
+                   "emptied first, so it must be new, empty or made by an earlier soak)")
     p.add_argument("--requests", type=int, default=60, help="requests (default 60)")
     p.add_argument("--sessions", type=int, default=5, help="sessions the requests resume (default 5)")
     p.add_argument("--seed", type=int, default=0, help="random seed of prompts and faults (default 0)")

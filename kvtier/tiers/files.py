@@ -67,7 +67,7 @@ class FileTierConfig:
                          "(`kvtier bench storage` measures both on your storage)")
     cold_reads: bool = opt(False, "drop each object from the page cache after reading it (benchmarks)")
     read_window_bytes: int = size_field(64 << 20, "bytes of reads in flight per load")
-    io_threads: int = opt(16, "threads of this tier's I/O pool")
+    io_threads: int = opt(16, "threads of this tier's I/O pool", ge=1)
     fsync: bool = opt(False, "fsync each object before publishing (checksums already catch torn data)")
 
     def validate(self, prefix: str = "") -> None:
@@ -94,13 +94,21 @@ class ObjectDir:
     """The directory layout and its file operations. Thread-safe; no state
     beyond paths and the O_DIRECT fallback flag."""
 
-    def __init__(self, root: str | os.PathLike, config_key: str):
+    def __init__(self, root: str | os.PathLike, config_key: str, create: bool = True):
+        """``create``: make the layout if it is missing and check that it
+        is writable (tiers). Without it nothing is created or written: the
+        store must exist (administration commands that only look)."""
         self.root = Path(root)
         self.base = self.root / LAYOUT_DIR
         self.objects = self.base / "objects"
         self.tmp = self.base / "tmp"
         self.quarantine_dir = self.base / "quarantine"
         self.direct_ok = True
+        if not create:
+            if not self.base.is_dir() or self.base.is_symlink():
+                raise ConfigError(config_key, f"there is no kvtier store at {self.root} ({self.base} is missing)",
+                                  "check the path; commands that only look never create a store")
+            return
         try:
             for d in (self.base, self.objects, self.tmp, self.quarantine_dir):
                 d.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -311,7 +319,15 @@ class ObjectDir:
     def quarantine(self, key: ChunkKey) -> None:
         """Move a bad object aside so that nobody reads it again."""
         parts, name = self._rel(key)
-        dst = f"{key.digest.hex()}.{int(time.time())}{SUFFIX}"
+        self._quarantine_at(parts, name)
+
+    def quarantine_path(self, path: Path) -> None:
+        """``quarantine`` for an object found by ``scan`` (its key unknown)."""
+        parts = path.relative_to(self.base).parts
+        self._quarantine_at(parts[:-1], parts[-1])
+
+    def _quarantine_at(self, parts: Sequence[str], name: str) -> None:
+        dst = f"{name[: -len(SUFFIX)]}.{int(time.time())}{SUFFIX}"
         try:
             src = self._open_dir(parts)
         except OSError:
@@ -346,6 +362,14 @@ class ObjectDir:
             return dead or now - mtime > max_age_s
 
         return self._sweep("tmp", dead_or_old)
+
+    def count(self, folder: str) -> int:
+        """Entries in ``tmp`` or ``quarantine`` (0 if the folder is missing)."""
+        try:
+            with os.scandir(self.base / folder) as it:
+                return sum(1 for _ in it)
+        except (FileNotFoundError, NotADirectoryError):
+            return 0
 
     def tmp_bytes(self) -> int:
         """Bytes of the temp files now in ``tmp/`` (writes in flight)."""

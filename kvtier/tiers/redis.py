@@ -71,7 +71,7 @@ class RedisConfig:
     address: str = opt("", "host:port of the server, or of any cluster node (comma-separated for several)")
     capacity: int = size_field(0, "bytes kvtier may keep under key_prefix (required; enforced by kvtier itself)")
     name: str = opt("redis", "tier name in metrics and logs")
-    db: int = opt(0, "database number (0 on a cluster)")
+    db: int = opt(0, "database number (0 on a cluster)", ge=0)
     username: str = opt("", "ACL user name (empty: default user)")
     password: str = field(default="", repr=False, metadata={"doc": "password (never logged; prefer KVTIER_* env or a file readable only by kvtier)"})
     tls: bool = opt(False, "connect with TLS")
@@ -80,10 +80,10 @@ class RedisConfig:
     key_prefix: str = opt("kvtier:v1:", "prefix of every key kvtier writes; one capacity budget per prefix")
     # Optional[...], not "float | None": config._coerce recognises typing.Union only.
     ttl_s: Optional[float] = opt(None, "expire objects not read for this long (optional; reads refresh it)")
-    socket_timeout_s: float = opt(1.0, "timeout of every command")
-    connect_timeout_s: float = opt(1.0, "timeout of connecting")
-    pool_size: int = opt(32, "connections per server (at least io_threads + 4)")
-    io_threads: int = opt(16, "threads of this tier's I/O pool")
+    socket_timeout_s: float = opt(1.0, "timeout of every command", gt=0)
+    connect_timeout_s: float = opt(1.0, "timeout of connecting", gt=0)
+    pool_size: int = opt(32, "connections per server (at least io_threads + 4)", ge=1)
+    io_threads: int = opt(16, "threads of this tier's I/O pool", ge=1)
     read_window_bytes: int = size_field(64 << 20, "bytes of reads in flight per load")
 
     def validate(self, prefix: str = "") -> None:

@@ -43,10 +43,10 @@ class SharedConfig(FileTierConfig):
     name: str = opt("shared", "tier name in metrics and logs")
     high_watermark: float = opt(0.95, "usage fraction of capacity that starts garbage collection")
     low_watermark: float = opt(0.85, "usage fraction garbage collection brings usage down to")
-    touch_interval_s: float = opt(60.0, "minimum seconds between two access stamps of one object")
-    gc_interval_s: float = opt(60.0, "seconds between automatic collection passes of this instance (0: never)")
-    tmp_max_age_s: float = opt(3600.0, "temp files older than this are another writer's leftovers")
-    lease_s: float = opt(600.0, "a collector's lease; a newer collector takes over an older lease")
+    touch_interval_s: float = opt(60.0, "minimum seconds between two access stamps of one object", ge=0)
+    gc_interval_s: float = opt(60.0, "seconds between automatic collection passes of this instance (0: never)", ge=0)
+    tmp_max_age_s: float = opt(3600.0, "temp files older than this are another writer's leftovers", gt=0)
+    lease_s: float = opt(600.0, "a collector's lease; a newer collector takes over an older lease", gt=0)
 
     def validate(self, prefix: str = "") -> None:
         super().validate(prefix)
@@ -63,6 +63,26 @@ class GcResult:
     tmp_swept: int
     quarantine_swept: int
     seconds: float
+    victims: tuple = ()  # plan_collection only: the objects a pass would delete, oldest first
+
+
+def plan_collection(entries, config) -> GcResult:
+    """What one collection pass over ``entries`` deletes under ``config``'s
+    watermarks: once usage passes ``high_watermark`` of capacity, the least
+    recently stamped objects until usage is at most ``low_watermark``. The
+    policy itself; ``SharedTier.gc`` carries it out, ``kvtier store gc
+    --dry-run`` only reports it."""
+    t0 = time.monotonic()
+    total = sum(e.size for e in entries)
+    after, victims = total, []
+    if total > config.high_watermark * config.capacity:
+        target = config.low_watermark * config.capacity
+        for e in sorted(entries, key=lambda e: e.mtime):
+            if after <= target:
+                break
+            victims.append(e)
+            after -= e.size
+    return GcResult(True, len(entries), total, len(victims), after, 0, 0, time.monotonic() - t0, tuple(victims))
 
 
 class SharedTier(FileTier):
@@ -136,19 +156,13 @@ class SharedTier(FileTier):
                 entries.append(e)
                 if progress is not None:
                     progress(1)
-            total = sum(e.size for e in entries)
-            deleted = 0
-            after = total
-            if total > self.config.high_watermark * self.capacity:
-                target = self.config.low_watermark * self.capacity
-                entries.sort(key=lambda e: e.mtime)
-                for e in entries:
-                    if after <= target:
-                        break
-                    if not dry_run and self.dir.unlink_path(e.path) is None:
-                        continue  # gone meanwhile (or not ours to remove)
-                    after -= e.size
-                    deleted += 1
+            plan = plan_collection(entries, self.config)
+            total, deleted, after = plan.bytes_before, 0, plan.bytes_before
+            for e in plan.victims:
+                if not dry_run and self.dir.unlink_path(e.path) is None:
+                    continue  # gone meanwhile (or not ours to remove)
+                after -= e.size
+                deleted += 1
             tmp_swept = q_swept = 0
             if not dry_run:
                 tmp_swept = self.dir.sweep_tmp(self.config.tmp_max_age_s)

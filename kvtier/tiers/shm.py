@@ -66,9 +66,9 @@ class ShmConfig:
     capacity: int = size_field(0, "bytes of host DRAM for chunks, for the whole node (required)")
     path: str = opt("", "tmpfs directory every process of the node opens (default /dev/shm/kvtier-UID/NAME)")
     name: str = opt("shm", "tier name in metrics and logs")
-    low_watermark: float = opt(0.9, "eviction brings usage down to this fraction of capacity")
-    touch_interval_s: float = opt(1.0, "minimum seconds between two recency stamps of one object")
-    io_threads: int = opt(4, "threads of this tier's I/O pool")
+    low_watermark: float = opt(0.9, "eviction brings usage down to this fraction of capacity", gt=0)
+    touch_interval_s: float = opt(1.0, "minimum seconds between two recency stamps of one object", ge=0)
+    io_threads: int = opt(4, "threads of this tier's I/O pool", ge=1)
     read_window_bytes: int = size_field(64 << 20, "bytes of reads in flight per load")
     # What the directory tiers' reader expects of its config.
     o_direct: bool = False

@@ -8,7 +8,6 @@ complete and its checksum matches.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -16,7 +15,7 @@ from typing import Callable, Sequence
 from kvtier.errors import CorruptObject
 from kvtier.keys import ChunkKey
 from kvtier.codec import HEADER_STRUCT_SIZE, parse_header
-from kvtier.tiers.files import ObjectEntry
+from kvtier.tiers.files import ObjectDir, ObjectEntry
 
 
 @dataclass
@@ -25,7 +24,10 @@ class VerifyReport:
     bad: list[tuple[Path, str]] = field(default_factory=list)
 
 
-def verify_directory(tier, entries: Sequence[ObjectEntry], quarantine: bool, tick: Callable[[int], None]) -> VerifyReport:
+def verify_directory(odir: ObjectDir, entries: Sequence[ObjectEntry], quarantine: bool,
+                     tick: Callable[[int], None]) -> VerifyReport:
+    """Read and check every object; with ``quarantine``, move bad ones aside
+    the way the tiers do (``ObjectDir.quarantine``); otherwise write nothing."""
     report = VerifyReport()
     for e in entries:
         try:
@@ -35,16 +37,13 @@ def verify_directory(tier, entries: Sequence[ObjectEntry], quarantine: bool, tic
             if h.key.hex() != e.key_hex or h.ns[:8].hex() != e.ns_hex:
                 raise CorruptObject("header key or namespace does not match the object's path")
             key = ChunkKey(h.key, h.check, h.ns, h.num_tokens)
-            tier.dir.read(key, o_direct=False, cold=True)
+            odir.read(key, o_direct=False, cold=True)
             report.ok += 1
         except FileNotFoundError:
             pass  # collected meanwhile
         except (CorruptObject, OSError) as exc:
             report.bad.append((e.path, str(exc)))
             if quarantine:
-                try:
-                    os.rename(e.path, tier.dir.quarantine_dir / e.path.name)
-                except OSError:
-                    pass
+                odir.quarantine_path(e.path)
         tick(1)
     return report
