@@ -67,7 +67,7 @@ def test_a_full_file_system_drops_saves_and_keeps_serving_loads(small_fs, metric
     assert metrics.value("kvtier_breaker_open", tier=tier.name) == 0
 
     # Nothing damaged, nothing half-written left behind.
-    report = verify_directory(tier, list(tier.dir.scan()), quarantine=False, tick=lambda n: None)
+    report = verify_directory(tier.dir, list(tier.dir.scan()), quarantine=False, tick=lambda n: None)
     assert report.bad == [] and report.ok >= len(whole) * CHUNKS
     assert os.listdir(tier.dir.tmp) == []
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
+from pathlib import Path
 
 from kvtier.tiers.shm import ShmConfig, ShmTier
 from tests.tiers.harness import Harness
@@ -16,10 +17,10 @@ class ShmHarness(Harness):
 
     def __init__(self, tmp_path, metrics):
         super().__init__(tmp_path, metrics)
-        self.path = tempfile.mkdtemp(prefix="kvtier-test-", dir="/dev/shm")
+        self.path = Path(tempfile.mkdtemp(prefix="kvtier-test-", dir="/dev/shm"))
 
     def _open(self, capacity):
-        return ShmTier(ShmConfig(capacity=capacity, path=self.path, name=self.name, touch_interval_s=0.0),
+        return ShmTier(ShmConfig(capacity=capacity, path=str(self.path), name=self.name, touch_interval_s=0.0),
                        self.metrics)
 
     def tick(self):
