@@ -150,3 +150,17 @@ def test_soak_refuses_a_directory_it_did_not_make(tmp_path):
     proc = kvtier("bench", "soak", "--dir", str(mine), check=False)
     assert proc.returncode == 2 and "not made by kvtier bench soak" in proc.stderr and "Fix:" in proc.stderr
     assert (mine / "notes.txt").read_text() == "keep me"
+
+
+def test_demo_exits_1_when_a_configuration_failed(tmp_path, monkeypatch, capsys):
+    from kvtier import cli
+    from kvtier.bench import resume, resume_report
+
+    summary = {"failed": [{"config": "example", "case": "2048", "round": 0, "error": "boom"}]}
+    monkeypatch.setattr(resume, "run", lambda cfg, progress=None: summary)
+    monkeypatch.setattr(resume_report, "format_table", lambda s: "table")
+    monkeypatch.setattr(resume_report, "write_report", lambda s, d: [])
+    assert cli.main(["demo", "--dir", str(tmp_path)]) == 1
+    assert "example failed" in capsys.readouterr().err
+    summary["failed"] = []
+    assert cli.main(["demo", "--dir", str(tmp_path)]) == 0

@@ -65,3 +65,27 @@ def test_w0_overhead_is_the_median_of_paired_rounds():
     assert r["w0_round_ratios"] == [0.99, 0.95, 1.1]
     assert abs(r["w0_overhead"] - 0.01) < 1e-9
     assert _checks(r)["w0_overhead"]["met"] is True
+
+
+def test_a_difference_within_the_runs_spread_is_a_tie():
+    by = _w1(example_ttft=0.59)
+    by["kvtier-shared"]["ttft_s"] = [0.55, 0.6, 0.65]  # spread 0.05 s: 10 ms above example is a tie
+    by["example"]["ttft_s"] = [0.58, 0.59, 0.60]
+    r = _ratios("w1", by, {"best_gbps": 1.0})
+    assert r["ttft_vs_example"]["kvtier-shared"]["verdict"] == "tie"
+    assert r["ttft_vs_example"]["kvtier-memory"]["verdict"] == "below"
+    c = _checks(r)["lower_ttft_than_example"]
+    assert c["met"] is True and c["ties"] == ["kvtier-shared"]
+    by["kvtier-shared"]["ttft_p50_s"] = 0.7  # 110 ms above: beyond the spread
+    assert _checks(_ratios("w1", by, {"best_gbps": 1.0}))["lower_ttft_than_example"]["met"] is False
+
+
+def test_multiprocess_runs_are_compared_with_their_single_process_runs():
+    by = _w1(example_ttft=1.0)
+    by["kvtier-memory+mp"] = {**by["kvtier-memory"], "ttft_p50_s": 0.51}
+    by["kvtier-shared+mp"] = {**by["kvtier-shared"], "ttft_p50_s": 0.66}
+    r = _ratios("w1", by, {"best_gbps": 1.0})
+    assert abs(r["multiprocess_each"]["kvtier-memory+mp"] - 0.51 / 0.5) < 1e-9
+    assert abs(r["multiprocess_vs_single"] - 0.66 / 0.6) < 1e-9  # the worst of them
+    c = _checks(r)["multiprocess_vs_single"]
+    assert c["kind"] == "at most" and c["bar"] == 1.05 and c["met"] is False

@@ -49,7 +49,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self._settings = s = load_settings(vllm_config, kv_cache_config, worker=worker)
         ns, topo = s.namespace, s.topology
         # One shard of one chunk (the KV cache spec counts this rank's heads).
-        chunk_bytes = ns.num_layers * 2 * ns.num_kv_heads * ns.head_dim * DTYPE_SIZES[s.kv_dtype] * ns.chunk_tokens
+        chunk_bytes = ns.num_layers * 2 * s.heads_per_rank * ns.head_dim * DTYPE_SIZES[s.kv_dtype] * ns.chunk_tokens
         m = connector_metrics()
         self._scheduler: KVTierScheduler | None = None
         self._worker: KVTierWorker | None = None

@@ -30,6 +30,7 @@ from kvtier.tiers.disk import DiskReader
 class GroupHit:
     chunks: int  # leading chunks every shard holds
     tiers: tuple[str, ...]  # per chunk: the slowest tier holding one of its shards
+    sources: tuple[int, ...] = ()  # per chunk: the TP size whose shards hold it (0: this engine's own)
 
 
 class GroupView:
@@ -47,6 +48,10 @@ class GroupView:
         except BaseException:
             self.close()
             raise
+        # Stores of the shards other TP sizes write (no disk tier: another
+        # engine's node-local folders), opened on first need.
+        self._settings, self._metrics = settings, metrics
+        self._other: dict[int, list[TieredStore]] = {}
         first = self.stores[0]
         self._order = {t.name: i for i, t in enumerate(first.tiers)}
         self.host_memory = {t.name for t in first.tiers if t.host_memory}
@@ -54,21 +59,45 @@ class GroupView:
 
     def lookup(self, keys: Sequence[ChunkKey]) -> GroupHit:
         """Leading chunks of ``keys`` (the group's chain) whose every shard
-        is stored. Each shard is asked only for the prefix the shards before
-        it hold: the answer can only shrink."""
+        is stored, at this engine's TP size or, where those stop, at another
+        one whose shards this engine can assemble its own from."""
+        n, tiers = self._prefix(self.stores, list(self.topology.shard_ranks), None, keys)
+        sources = [0] * n
+        for m in self.topology.other_tp_sizes:
+            if n >= len(keys):
+                break
+            got, more = self._prefix(self._stores_of(m), list(range(m)), m, keys)
+            if got > n:
+                tiers += more[n:got]
+                sources += [m] * (got - n)
+                n = got
+        return GroupHit(n, tuple(tiers), tuple(sources))
+
+    def _prefix(self, stores, shards, tp_size, keys) -> tuple[int, list[str]]:
+        """Leading chunks whose every shard (of ``tp_size``) is stored, each
+        with the slowest tier holding one of its shards. Each shard is asked
+        only for the prefix the shards before it hold."""
         n = len(keys)
         slowest = [-1] * n
         names = list(self._order)
-        for shard, store in zip(self.topology.shard_ranks, self.stores):
+        for shard, store in zip(shards, stores):
             if not n:
                 break
-            plan = store.lookup([self.topology.shard(k, shard) for k in keys[:n]])
+            plan = store.lookup([self.topology.shard(k, shard, tp_size) for k in keys[:n]])
             n = plan.chunks
             for seg in plan.segments:
                 rank = self._order[seg.tier]
                 for i in range(seg.start, min(seg.stop, n)):
                     slowest[i] = max(slowest[i], rank)
-        return GroupHit(n, tuple(names[slowest[i]] for i in range(n)))
+        return n, [names[slowest[i]] for i in range(n)]
+
+    def _stores_of(self, tp_size: int) -> list[TieredStore]:
+        stores = self._other.get(tp_size)
+        if stores is None:
+            stores = self._other[tp_size] = [
+                TieredStore(self._settings.shard_config(s, tp_size), self._metrics, tier_class=reader_class)
+                for s in range(tp_size)]
+        return stores
 
     def in_host_memory(self, keys: Sequence[ChunkKey]) -> bool:
         """Every shard of every key is in the node's memory tier (a stat per
@@ -80,9 +109,9 @@ class GroupView:
         return bool(keys)
 
     def close(self) -> None:
-        for store in self.stores:
+        for store in self.stores + [st for group in getattr(self, "_other", {}).values() for st in group]:
             store.close(drain=False)
-        self.stores = []
+        self.stores, self._other = [], {}
 
 
 def reader_class(spec) -> type:

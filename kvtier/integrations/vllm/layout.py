@@ -26,6 +26,10 @@ from kvtier.errors import ConfigError
 
 class BlockLayout:
     name = "abstract"
+    # Axis of a chunk payload along which KV heads lie, where the layout keeps
+    # each head's data apart (then a chunk can be cut into or assembled from
+    # tensor-parallel shards of other sizes); None where it does not.
+    head_axis: int | None = None
 
     def __init__(self, layers: Sequence[torch.Tensor]):
         self.layers = list(layers)
@@ -69,6 +73,10 @@ class BlockMajor(BlockLayout):
         self.host = first.device.type == "cpu" and all(
             t.stride(0) * self.esize >= self.page_bytes and t[0].is_contiguous() for t in self.layers
         )
+        # CPU attention pages are [kv heads, block size, 2 x head dim]: heads
+        # are the page's outer axis, axis 2 of a chunk [layers, blocks, *page].
+        if self.host and first.dim() == 4:
+            self.head_axis = 2
 
     def chunk_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (len(self.layers), num_blocks, *self.layers[0].shape[1:])

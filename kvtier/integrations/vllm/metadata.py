@@ -17,6 +17,9 @@ class ChunkIO:
     # than the chunk holds (the claim ends inside it): only these are written.
     block_ids: list[int]
     skip: int = 0  # loads: leading blocks the engine already holds (not written)
+    # Loads: the TP size whose shards hold the chunk (0: this engine's own);
+    # the worker assembles its shard from them.
+    source_tp: int = 0
 
 
 @dataclass

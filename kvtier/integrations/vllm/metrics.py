@@ -51,6 +51,10 @@ class ConnectorMetrics:
             "kvtier_vllm_lookup_deferred",
             "Scheduler steps a request waited for its lookup (each costs the request one engine step)",
             registry=registry)
+        self.assembled_chunks = Counter(
+            "kvtier_vllm_assembled_chunks",
+            "Chunk shards this engine cut from shards another TP size wrote (then stored as its own)",
+            registry=registry)
         self.saved_chunks = Counter(
             "kvtier_vllm_saved_chunks", "Chunk shards gathered from the engine and handed to the store",
             registry=registry)

@@ -41,6 +41,7 @@ class _Hit:
     tokens: int
     keys: list[ChunkKey]  # keys of the hit chunks (the last may be partial)
     tiers: list[str]  # per hit chunk: the slowest tier holding one of its shards
+    sources: list[int] = field(default_factory=list)  # per hit chunk: TP size of its shards (0: ours)
 
 
 @dataclass
@@ -141,9 +142,10 @@ class KVTierScheduler:
         # Chunks in host memory are copied in within this step, before the
         # forward (a synchronous load: no extra scheduler round trip); anything
         # on disk or remote is read asynchronously while other requests run.
+        # (Shards of another TP size are assembled on the loader thread.)
         st.sync_load = all(
             t in self.view.host_memory for t in self._tiers_in(hit, num_computed_tokens, hit.tokens)
-        )
+        ) and not any(hit.sources)
         return hit.tokens - num_computed_tokens, not st.sync_load
 
     def _all_in_memory(self, root: ChunkKey, tokens: list[int]) -> bool:
@@ -181,6 +183,7 @@ class KVTierScheduler:
         plan = self.view.lookup(keys)
         hit_keys = keys[: plan.chunks]
         tiers = list(plan.tiers)
+        sources = list(plan.sources) or [0] * plan.chunks
         hit = sum(k.num_tokens for k in hit_keys)
         if plan.chunks < len(keys):
             start = plan.chunks * C
@@ -194,6 +197,7 @@ class KVTierScheduler:
                 if sub.chunks:
                     hit_keys.append(k)
                     tiers.append(sub.tiers[0])
+                    sources.append(sub.sources[0] if sub.sources else 0)
                     hit += n
                     break
         # Drop chunks that start at or past the usable end; the last one kept
@@ -201,7 +205,8 @@ class KVTierScheduler:
         while hit_keys and hit - hit_keys[-1].num_tokens >= usable:
             hit -= hit_keys.pop().num_tokens
             tiers.pop()
-        return _Hit(min(hit, usable), hit_keys, tiers)
+            sources.pop()
+        return _Hit(min(hit, usable), hit_keys, tiers, sources)
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
         from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -245,14 +250,14 @@ class KVTierScheduler:
             return
         lo, hi = st.local_tokens, st.local_tokens + num_external_tokens
         chunks, tiers, pos = [], [], 0
-        for k, tier in zip(hit.keys, hit.tiers):
+        for k, tier, src in zip(hit.keys, hit.tiers, hit.sources or [0] * len(hit.keys)):
             start, end = pos, pos + k.num_tokens
             pos = end
             if end <= lo or start >= hi:
                 continue
             # Blocks of this chunk up to the claimed end: the chunk may run past it.
             ids = block_ids[start // self.bs : min(end, hi) // self.bs]
-            chunks.append(ChunkIO(k, ids, skip=(max(start, lo) - start) // self.bs))
+            chunks.append(ChunkIO(k, ids, skip=(max(start, lo) - start) // self.bs, source_tp=src))
             tiers.append(tier)
         st.loading_blocks = {b for c in chunks for b in c.block_ids[c.skip :]}
         self._pending_loads.append(LoadJob(request.request_id, chunks, tiers, sync=st.sync_load))

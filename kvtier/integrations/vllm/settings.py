@@ -24,7 +24,7 @@ from kvtier.errors import ConfigError
 from kvtier.keys import ChunkKey, Namespace, shard_key
 
 SUPPORTED_VLLM = ("0.32.",)
-_OWN_KEYS = {"config", "model_fingerprint"}
+_OWN_KEYS = {"config", "model_fingerprint", "share_tp_sizes"}
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,11 @@ class Topology:
     tp_size: int
     rank: int | None  # this worker's TP rank; None for the scheduler side
     replicated: bool = False
+    heads: int = 1  # KV heads of the whole model (each rank holds heads / tp_size)
+    # Other TP sizes whose shards this engine can assemble its own from (a
+    # store written at TP=2 read at TP=1, and the reverse): every size that
+    # divides the heads, on layouts whose pages keep heads apart.
+    other_tp_sizes: tuple[int, ...] = ()
 
     @property
     def shard_ranks(self) -> range:
@@ -57,8 +62,16 @@ class Topology:
     def saves(self) -> bool:
         return self.rank is not None and (not self.replicated or self.rank == 0)
 
-    def shard(self, key: ChunkKey, shard: int) -> ChunkKey:
-        return key if self.replicated else shard_key(key, shard, self.tp_size)
+    def shard(self, key: ChunkKey, shard: int, tp_size: int | None = None) -> ChunkKey:
+        """Shard ``shard`` of chunk ``key`` as written at ``tp_size`` (this engine's by default)."""
+        return key if self.replicated else shard_key(key, shard, tp_size or self.tp_size)
+
+    def sources(self, rank: int, tp_size: int) -> range:
+        """The shards of a chunk written at ``tp_size`` that hold this
+        engine's rank ``rank``'s heads."""
+        lo = rank * tp_size // self.tp_size
+        hi = ((rank + 1) * tp_size - 1) // self.tp_size
+        return range(lo, hi + 1)
 
 
 @dataclass(frozen=True)
@@ -70,18 +83,27 @@ class Settings:
     kv_dtype: str  # kvtier dtype name of the KV cache tensors
     topology: Topology
 
+    @property
+    def heads_per_rank(self) -> int:
+        t = self.topology
+        return t.heads if t.replicated else t.heads // t.tp_size
+
     def disk_path(self, path: str, shard: int) -> str:
         """The folder of a disk tier that holds ``shard``'s objects."""
         if self.topology.tp_size == 1:
             return path
         return os.path.join(path, f"tp{self.topology.tp_size}-rank{shard}")
 
-    def shard_config(self, shard: int) -> StoreConfig:
+    def shard_config(self, shard: int, tp_size: int | None = None) -> StoreConfig:
         """The store of the worker that owns ``shard``: disk tiers in the
-        shard's folder, each with its share of the capacity."""
+        shard's folder, each with its share of the capacity. With another
+        ``tp_size`` (shards other engines wrote): no disk tier (a node-local
+        folder of another engine's rank), the node memory and shared tiers."""
         n = len(self.topology.shard_ranks)
         tiers = []
         for spec in self.store.tiers:
+            if spec.kind == "disk" and tp_size not in (None, self.topology.tp_size):
+                continue
             if spec.kind == "disk":
                 cfg = replace(spec.config, path=self.disk_path(spec.config.path, shard),
                               capacity=max(1, spec.config.capacity // n))
@@ -107,6 +129,7 @@ def load_settings(vllm_config: Any, kv_cache_config: Any, worker: bool) -> Setti
     extra = dict(ktc.kv_connector_extra_config or {})
     path = extra.pop("config", None)
     fingerprint = extra.pop("model_fingerprint", None)
+    extra_tp = extra.pop("share_tp_sizes", None)
     store = node_memory(load_config(path, overrides=extra))
 
     groups = kv_cache_config.kv_cache_groups
@@ -128,19 +151,48 @@ def load_settings(vllm_config: Any, kv_cache_config: Any, worker: bool) -> Setti
     if int(getattr(pc, "pipeline_parallel_size", 1)) > 1:
         raise ConfigError("pipeline_parallel_size", f"is {pc.pipeline_parallel_size}: each pipeline stage holds other layers",
                           "run kvtier with pipeline_parallel_size 1 (tensor and data parallel are supported)")
-    topology = Topology(int(pc.tensor_parallel_size), _tp_rank() if worker else None, replicated=bool(getattr(mc, "use_mla", False)))
+    tp = int(pc.tensor_parallel_size)
+    replicated = bool(getattr(mc, "use_mla", False))
+    heads = int(spec.num_kv_heads) * (1 if replicated else tp)
+    others = _other_tp_sizes(tp, heads, replicated, extra_tp)
+    topology = Topology(tp, _tp_rank() if worker else None, replicated, heads, others)
+    # The namespace is the model's, whatever the TP size: a chunk's shards
+    # are named by (TP size, rank) in shard_key, so that engines of other
+    # TP sizes can find and assemble them.
     ns = Namespace(
         model=identity.model_name(str(mc.model)),
         model_fingerprint=model_fingerprint(vllm_config, fingerprint),
         kv_dtype=kv_dtype,
         layout=layout_name(vllm_config, spec),
         num_layers=len(groups[0].layer_names),
-        num_kv_heads=int(spec.num_kv_heads),
+        num_kv_heads=heads,
         head_dim=int(spec.head_size),
         chunk_tokens=store.chunk_tokens,
-        tp_size=topology.tp_size,
     )
     return Settings(store, ns, block_size, len(groups[0].layer_names), kv_dtype, topology)
+
+
+def _other_tp_sizes(tp: int, heads: int, replicated: bool, wanted) -> tuple[int, ...]:
+    """TP sizes besides ``tp`` whose shards can be assembled into ours:
+    ``wanted`` (``share_tp_sizes`` in kv_connector_extra_config), or by
+    default every size up to 8 that divides the model's KV heads. Only on
+    the CPU page layout (``[heads, block, 2 x head dim]`` per page, heads
+    apart), and never for replicated KV (one object serves every TP size)."""
+    from vllm.platforms import current_platform
+
+    if replicated or current_platform.device_type != "cpu":
+        return ()
+    if wanted is None:
+        wanted = [m for m in (1, 2, 4, 8) if heads % m == 0]
+    try:
+        sizes = sorted({int(m) for m in wanted})
+    except (TypeError, ValueError):
+        raise ConfigError("share_tp_sizes", f"expected a list of TP sizes, got {wanted!r}", "write e.g. [1, 2, 4]") from None
+    bad = [m for m in sizes if m <= 0 or heads % m]
+    if bad:
+        raise ConfigError("share_tp_sizes", f"{bad[0]} does not divide the model's {heads} KV heads",
+                          f"use sizes that divide {heads}, e.g. {[m for m in (1, 2, 4, 8) if heads % m == 0]}")
+    return tuple(m for m in sizes if m != tp)
 
 
 def node_memory(store: StoreConfig) -> StoreConfig:

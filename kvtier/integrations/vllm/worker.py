@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from kvtier.codec import ChunkObject, build
+from kvtier.codec import DTYPE_SIZES, ChunkObject, build, encode
 from kvtier.engine.executor import LOAD, PriorityExecutor
 from kvtier.engine.store import TieredStore
 from kvtier.errors import ConfigError
@@ -109,30 +109,42 @@ class KVTierWorker:
         retained: they stay valid until they are copied into the engine. With
         ``flight`` (an asynchronous load) each chunk is handed over as it
         arrives, so that the engine thread copies the first chunks while
-        later ones are read; nothing is returned then."""
+        later ones are read; nothing is returned then.
+
+        A chunk held at another TP size (``source_tp``) is read as the
+        shards of that size which hold this rank's heads, and this rank's
+        shard is cut from them (``_assemble``); it is stored under this
+        rank's own key too, so the next load reads it directly."""
         t0 = time.perf_counter()
         objs: list[ChunkObject] = []
-        block = self.settings.block_size
+        wanted = [self._sources(c) for c in job.chunks]
         try:
-            it = self.store.fetch([self._key(c.key) for c in job.chunks])
+            it = self.store.fetch([k for ks in wanted for k in ks])
             try:
-                # The fetch is iterated to its end (not zipped with the
-                # chunks): it promotes each object into memory when the next
-                # is asked for, the last one when it ends.
-                for i, obj in enumerate(it):
-                    c = job.chunks[i]
-                    shape = self.layout.chunk_shape(c.key.num_tokens // block)
-                    h = obj.header
-                    if h.shape != shape or h.dtype != self.settings.kv_dtype:
-                        log.warning("kvtier: chunk %s has shape %s %s, expected %s %s; recomputing",
-                                    c.key.hex[:16], h.shape, h.dtype, shape, self.settings.kv_dtype)
+                complete = True
+                for c, ks in zip(job.chunks, wanted):
+                    got: list[ChunkObject] = []
+                    for _ in ks:
+                        obj = next(it, None)
+                        if obj is None:
+                            break
+                        got.append(obj.retain())  # the fetch releases it when resumed
+                    obj = self._chunk(c, got) if len(got) == len(ks) else None
+                    for o in got:
+                        o.release()
+                    if obj is None:
+                        complete = False
                         break
                     if flight is None:
-                        objs.append(obj.retain())
+                        objs.append(obj)
                         continue
                     with self._lock:
-                        flight.arrived.append(obj.retain())
+                        flight.arrived.append(obj)
                     self._arrived.set()
+                if complete:
+                    # Resumed once more, the fetch promotes the last object
+                    # into memory and ends.
+                    next(it, None)
             finally:
                 it.close()
         except BaseException:
@@ -141,6 +153,60 @@ class KVTierWorker:
             raise
         self.metrics.load_seconds.observe(time.perf_counter() - t0)
         return objs
+
+    def _sources(self, c) -> list[ChunkKey]:
+        """The stored objects that make up this rank's shard of chunk ``c``."""
+        if c.source_tp in (0, self.topology.tp_size):
+            return [self._key(c.key)]
+        return [self.topology.shard(c.key, s, c.source_tp) for s in self.topology.sources(self._shard, c.source_tp)]
+
+    def _chunk(self, c, got: list[ChunkObject]) -> ChunkObject | None:
+        """This rank's shard of ``c`` from the objects read for it (a new
+        reference), or None if they do not have the shape expected."""
+        shape = self.layout.chunk_shape(c.key.num_tokens // self.settings.block_size)
+        native = c.source_tp in (0, self.topology.tp_size)
+        if not native:
+            axis = self.layout.head_axis
+            if axis is None:
+                log.warning("kvtier: layout %s cannot assemble shards of TP %d; recomputing", self.layout.name,
+                            c.source_tp)
+                return None
+            per = self.topology.heads // c.source_tp
+            shape_src = shape[:axis] + (per,) + shape[axis + 1:]
+        for obj in got:
+            h = obj.header
+            want = shape if native else shape_src
+            if h.shape != want or h.dtype != self.settings.kv_dtype:
+                log.warning("kvtier: chunk %s has shape %s %s, expected %s %s; recomputing",
+                            c.key.hex[:16], h.shape, h.dtype, want, self.settings.kv_dtype)
+                return None
+        if native:
+            return got[0].retain()
+        return self._assemble(c, got, shape, axis)
+
+    def _assemble(self, c, got: list[ChunkObject], shape, axis: int) -> ChunkObject:
+        """Cut this rank's heads out of shards written at another TP size.
+        Bytes only, with numpy (a torch kernel here would start an OpenMP
+        team of its own beside the engine's): heads lie along ``axis``, each
+        head's data contiguous within it."""
+        import numpy as np
+
+        es = DTYPE_SIZES[self.settings.kv_dtype]
+        first = self.topology.sources(self._shard, c.source_tp)[0]
+        per_src = self.topology.heads // c.source_tp
+        mine = shape[axis]
+        parts = [np.frombuffer(o.payload, dtype=np.uint8).reshape(o.header.shape[:-1] + (o.header.shape[-1] * es,))
+                 for o in got]
+        whole = np.concatenate(parts, axis=axis) if len(parts) > 1 else parts[0]
+        lo = self._shard * mine - first * per_src
+        part = np.ascontiguousarray(whole.take(range(lo, lo + mine), axis=axis))
+        obj = encode(self._key(c.key), self.settings.kv_dtype, shape, memoryview(part).cast("B"), self.store.pool)
+        try:
+            self.store.put([obj])  # our own shard from now on (memory, and written through)
+        except Exception as exc:  # a failed save costs a future hit, never this load
+            log.warning("kvtier: storing an assembled shard failed: %s", exc)
+        self.metrics.assembled_chunks.inc()
+        return obj
 
     def _read_ended(self, flight: _InFlight, fut) -> None:
         """The loader is done with ``flight`` (loader thread): whatever did

@@ -20,6 +20,9 @@ Runs (prompts as in test_e2e.py; vLLM's KV cache forced to 12 blocks):
   memory tier in a node folder that ``mp-node-b``, a second engine process
   with an empty disk tier of its own, then opens: it resumes what the first
   left in the node's memory.
+- ``tp1-from-tp2``, ``tp2-from-tp1``: an engine of the other TP size on a
+  copy of a writer's shared directory assembles its shards from the
+  writer's.
 """
 
 from __future__ import annotations
@@ -179,6 +182,24 @@ def _node_b() -> RunDef:
     }, deps=("mp-write",), env=MULTIPROCESS)
 
 
+CROSS_RESUMES = [("A", None, 384), ("B", None, 640), ("C", None, 896)]
+
+
+def _cross(run: str, src: str, tp: int) -> RunDef:
+    """A fresh engine of another TP size on a copy of ``src``'s shared
+    directory: it finds no shard of its own TP size and assembles its shards
+    from the writer's."""
+    def copy(c: Ctx) -> None:
+        shutil.copytree(c.dir(f"{src}-shared"), c.dir(f"{run}-shared"))
+
+    return RunDef(lambda c: {
+        "model": str(c.models[MODEL]),
+        "kvtier": {"tiers": [{"kind": "shared", "path": str(c.dir(f"{run}-shared")), "capacity": "64MiB"}]},
+        "engine": {**ENGINE, "tensor_parallel_size": tp},
+        "phases": [_phase(phase_name(p, s), [(p, s)]) for p, s, _ in CROSS_RESUMES],
+    }, deps=(src,), before=copy, cpus=tp, env=ONE_PROCESS)
+
+
 RUNS: dict[str, RunDef] = {
     "tp2-baseline": _baseline(2),
     "tp2-write": _writer("tp2-write", 2),
@@ -186,6 +207,8 @@ RUNS: dict[str, RunDef] = {
     "tp1-baseline": _baseline(1),
     "mp-write": _writer("mp-write", 1, node_memory="mp-node"),
     "mp-node-b": _node_b(),
+    "tp1-from-tp2": _cross("tp1-from-tp2", "tp2-write", 1),
+    "tp2-from-tp1": _cross("tp2-from-tp1", "mp-write", 2),
 }
 
 
@@ -291,3 +314,20 @@ def test_second_engine_resumes_from_the_nodes_memory(runs):
     held = sum(p.stat().st_size for p in Path(runs.ctx.notes["mp-node"]).rglob("*") if p.is_file()
                and p.suffix in (".kvc", ".tmp"))
     assert 0 < held <= NODE_MEMORY_CAPACITY, f"the node's memory tier holds {held} B"
+
+
+@pytest.mark.parametrize("name,base", [
+    pytest.param("tp1-from-tp2", "tp1-baseline", marks=engine_runs("tp1-from-tp2", "tp1-baseline"), id="tp2-to-tp1"),
+    pytest.param("tp2-from-tp1", "tp2-baseline", marks=engine_runs("tp2-from-tp1", "tp2-baseline"), id="tp1-to-tp2"),
+])
+def test_a_store_written_at_one_tp_size_serves_another(runs, name, base):
+    """What a TP=2 engine stored serves a TP=1 engine (its shards are
+    assembled from both ranks' heads), and the reverse (each rank cuts its
+    heads from the TP=1 object): the same hits, cache-off output of the
+    reader's own TP size."""
+    run = runs[name]
+    assert assert_same_output(run, runs[base]) == len(CROSS_RESUMES)
+    for p, s, n in CROSS_RESUMES:
+        assert run.only(phase_name(p, s))["num_cached_tokens"] == n, f"{run.where()}, phase {phase_name(p, s)}"
+    assert run.kvtier_metric("kvtier_vllm_assembled_chunks_total") > 0, run.out["kvtier_metrics"]
+    assert run.kvtier_metric("kvtier_vllm_load_failed_blocks_total") == 0, run.out["kvtier_metrics"]

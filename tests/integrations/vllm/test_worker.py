@@ -27,12 +27,13 @@ LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(NS.num_layers)]
 NUM_BLOCKS = 8
 
 
-def _worker(cfg, topology: Topology) -> tuple[KVTierWorker, dict]:
+def _worker(cfg, topology: Topology, heads: int = NS.num_kv_heads) -> tuple[KVTierWorker, dict]:
+    """A worker of ``topology`` whose rank holds ``heads`` KV heads."""
     settings = Settings(cfg, NS, BS, NS.num_layers, "float16", topology)
     store = TieredStore(settings.shard_config(topology.own_shard))
     worker = KVTierWorker(settings, store, LAYERS, NUM_BLOCKS, connector_metrics())
     # vLLM's CPU attention layout: [blocks, kv heads, block size, 2 * head dim].
-    caches = {n: torch.zeros(NUM_BLOCKS, NS.num_kv_heads, BS, 2 * NS.head_dim, dtype=torch.float16) for n in LAYERS}
+    caches = {n: torch.zeros(NUM_BLOCKS, heads, BS, 2 * NS.head_dim, dtype=torch.float16) for n in LAYERS}
     worker.register_kv_caches(caches)
     return worker, caches
 
@@ -134,3 +135,46 @@ def test_each_rank_saves_and_loads_only_its_own_shard(tmp_path):
     finally:
         for worker, _ in ranks:
             worker.close()
+
+
+def test_a_shard_is_assembled_from_shards_another_tp_size_wrote(tmp_path):
+    """Written at TP=2 (two heads per rank), read at TP=1 (four heads): the
+    TP=1 worker concatenates the two shards' heads; written at TP=1, read at
+    TP=2: rank 1 cuts its two heads out. Each assembled shard is stored under
+    the reader's own key, so the next load reads it directly."""
+    cfg = parse_store_config({"chunk_tokens": BS, "tiers": [
+        {"kind": "shared", "path": str(tmp_path / "shared"), "capacity": "4MiB", "io_threads": 2}]})
+    key = keys_for(9, 1)[0]
+    writers = [_worker(cfg, Topology(2, r, heads=4, other_tp_sizes=(1,)), heads=2) for r in (0, 1)]
+    reader, rcaches = _worker(cfg, Topology(1, 0, heads=4, other_tp_sizes=(2,)), heads=4)
+    try:
+        for r, (w, caches) in enumerate(writers):
+            for t in caches.values():
+                for h in range(2):
+                    t[1, h].fill_(float(10 * r + h))  # rank r's head h is model head 2r + h
+            w.wait_for_save(KVTierMetadata(saves=[SaveJob("s", [ChunkIO(key, [1])])]))
+            assert w.store.flush(10)
+        reader.start_load_kv(KVTierMetadata(loads=[LoadJob("l", [ChunkIO(key, [2], source_tp=2)], ["shared"])]))
+        _finish(reader, "l")
+        assert reader.get_block_ids_with_load_errors() == set()
+        for t in rcaches.values():
+            assert [float(t[2, h, 0, 0]) for h in range(4)] == [0.0, 1.0, 10.0, 11.0]
+        assert reader.store.flush(10)
+        assert reader.store.lookup([key]).chunks == 1  # stored as a TP=1 chunk now
+
+        # The other way: the TP=1 object, read by TP=2 rank 1.
+        for t in rcaches.values():
+            for h in range(4):
+                t[3, h].fill_(float(100 + h))
+        key2 = keys_for(10, 1)[0]
+        reader.wait_for_save(KVTierMetadata(saves=[SaveJob("s2", [ChunkIO(key2, [3])])]))
+        assert reader.store.flush(10)
+        w1, caches1 = writers[1]
+        w1.start_load_kv(KVTierMetadata(loads=[LoadJob("m", [ChunkIO(key2, [4], source_tp=1)], ["shared"])]))
+        _finish(w1, "m")
+        assert w1.get_block_ids_with_load_errors() == set()
+        for t in caches1.values():
+            assert [float(t[4, h, 0, 0]) for h in range(2)] == [102.0, 103.0]
+    finally:
+        for w, _ in writers + [(reader, rcaches)]:
+            w.close()
