@@ -114,7 +114,9 @@ class ObjectDir:
                 d.mkdir(mode=0o700, parents=True, exist_ok=True)
                 if d.is_symlink():
                     raise OSError(errno.ELOOP, "is a symlink")
-            probe = self.tmp / f"{_HOST}.{os.getpid()}.probe"
+            # Unique per open: two opens of one directory at once (threads of
+            # one process included) must not remove each other's probe.
+            probe = self.tmp / f"{_HOST}.{os.getpid()}.{secrets.token_hex(6)}.probe"
             fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
             os.close(fd)
             probe.unlink()

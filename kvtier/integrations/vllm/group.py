@@ -49,9 +49,16 @@ class GroupView:
             self.close()
             raise
         # Stores of the shards other TP sizes write (no disk tier: another
-        # engine's node-local folders), opened on first need.
-        self._settings, self._metrics = settings, metrics
+        # engine's node-local folders), opened here: lookups run on several
+        # threads and must not open tiers themselves.
         self._other: dict[int, list[TieredStore]] = {}
+        try:
+            for m in self.topology.other_tp_sizes:
+                self._other[m] = [TieredStore(settings.shard_config(s, m), metrics, tier_class=reader_class)
+                                  for s in range(m)]
+        except BaseException:
+            self.close()
+            raise
         first = self.stores[0]
         self._order = {t.name: i for i, t in enumerate(first.tiers)}
         self.host_memory = {t.name for t in first.tiers if t.host_memory}
@@ -66,7 +73,7 @@ class GroupView:
         for m in self.topology.other_tp_sizes:
             if n >= len(keys):
                 break
-            got, more = self._prefix(self._stores_of(m), list(range(m)), m, keys)
+            got, more = self._prefix(self._other[m], list(range(m)), m, keys)
             if got > n:
                 tiers += more[n:got]
                 sources += [m] * (got - n)
@@ -90,14 +97,6 @@ class GroupView:
                 for i in range(seg.start, min(seg.stop, n)):
                     slowest[i] = max(slowest[i], rank)
         return n, [names[slowest[i]] for i in range(n)]
-
-    def _stores_of(self, tp_size: int) -> list[TieredStore]:
-        stores = self._other.get(tp_size)
-        if stores is None:
-            stores = self._other[tp_size] = [
-                TieredStore(self._settings.shard_config(s, tp_size), self._metrics, tier_class=reader_class)
-                for s in range(tp_size)]
-        return stores
 
     def in_host_memory(self, keys: Sequence[ChunkKey]) -> bool:
         """Every shard of every key is in the node's memory tier (a stat per

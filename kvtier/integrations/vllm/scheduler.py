@@ -73,6 +73,16 @@ def _cacheable(request) -> bool:
     )
 
 
+def _done_hit(st: "_Req | None") -> "_Hit | None":
+    """The request's finished lookup answer; None while it runs, or if it
+    failed (a failed lookup is a miss, never a failed request)."""
+    if st is None or st.lookup is None or not st.lookup.done() or st.lookup.cancelled():
+        return None
+    if st.lookup.exception() is not None:
+        return None
+    return st.lookup.result()
+
+
 class KVTierScheduler:
     def __init__(self, settings: Settings, view: GroupView, metrics: ConnectorMetrics):
         self.settings = settings
@@ -212,9 +222,9 @@ class KVTierScheduler:
         from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
         st = self._reqs.get(request.request_id)
-        if not num_external_tokens or st is None or st.lookup is None or not st.lookup.done():
+        hit = _done_hit(st)
+        if not num_external_tokens or hit is None:
             return {}
-        hit: _Hit = st.lookup.result()
         lo, hi = st.local_tokens, st.local_tokens + num_external_tokens
         by_tier: dict[str, int] = {}
         pos = 0
@@ -239,7 +249,7 @@ class KVTierScheduler:
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         st = self._state(request)
         block_ids = list(blocks.get_block_ids()[0])
-        hit: _Hit | None = st.lookup.result() if st.lookup is not None and st.lookup.done() else None
+        hit = _done_hit(st)
         if hit is not None and not st.failed:
             # Chunks kvtier already holds need no save; a partial last chunk
             # is saved again once its full version exists. (Not after a failed
