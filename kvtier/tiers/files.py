@@ -318,6 +318,17 @@ class ObjectDir:
         finally:
             os.close(dfd)
 
+    def stamp(self, key: ChunkKey, mtime: float, interval_s: float) -> None:
+        """Recency: stamp ``key``'s mtime now, unless its stamp (``mtime``)
+        is younger than ``interval_s``; an object gone meanwhile is left be."""
+        now = time.time()
+        if now - mtime < interval_s:
+            return
+        try:
+            self.touch(key, now)
+        except OSError:
+            pass
+
     def quarantine(self, key: ChunkKey) -> None:
         """Move a bad object aside so that nobody reads it again."""
         parts, name = self._rel(key)

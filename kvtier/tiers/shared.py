@@ -103,13 +103,7 @@ class SharedTier(FileTier):
 
     # ------------------------------------------------------------ hooks
     def _touched(self, key: ChunkKey, mtime: float) -> None:
-        now = time.time()
-        if now - mtime < self.config.touch_interval_s:
-            return
-        try:
-            self.dir.touch(key, now)
-        except OSError:
-            pass  # deleted meanwhile: nothing to stamp
+        self.dir.stamp(key, mtime, self.config.touch_interval_s)
 
     def _stored(self, key, obj) -> None:
         """Count our write; start a background collection pass when one is due:

@@ -40,7 +40,6 @@ import logging
 import os
 import struct
 import threading
-import time
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -199,13 +198,7 @@ class ShmTier(FileTier):
         return True, ""
 
     def _touched(self, key: ChunkKey, mtime: float) -> None:
-        now = time.time()
-        if now - mtime < self.config.touch_interval_s:
-            return
-        try:
-            self.dir.touch(key, now)
-        except OSError:
-            pass  # evicted meanwhile
+        self.dir.stamp(key, mtime, self.config.touch_interval_s)
 
     def _quarantine(self, key: ChunkKey) -> None:
         # Kept aside, a bad object would hold node DRAM the ledger no longer
@@ -213,26 +206,21 @@ class ShmTier(FileTier):
         self._delete_now([key])
 
     def _delete_now(self, keys: Sequence[ChunkKey]) -> int:
-        n = 0
-        with self._node():
-            used = self._used()
-            for k in keys:
-                freed = self.dir.unlink(k)
-                if freed:
-                    used -= freed
-                    n += 1
-            self._set_used(used)
-        self.metrics.used(used)
-        return n
+        return self._unlink([lambda k=k: self.dir.unlink(k) for k in keys])
 
     def clear(self) -> int:
         """Delete every object of this node tier (every process's); returns how many."""
+        return self._unlink([lambda p=e.path: self.dir.unlink_path(p) for e in list(self.dir.scan())])
+
+    def _unlink(self, removals) -> int:
+        """Run each removal (bytes freed, or None/0 if nothing was there)
+        under the node lock and take what it freed off the ledger."""
         n = 0
         with self._node():
             used = self._used()
-            for e in list(self.dir.scan()):
-                freed = self.dir.unlink_path(e.path)
-                if freed is not None:
+            for remove in removals:
+                freed = remove()
+                if freed:
                     used -= freed
                     n += 1
             self._set_used(used)
