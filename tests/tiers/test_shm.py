@@ -68,7 +68,11 @@ def _writer(path: str, seed: int, capacity: int, rounds: int, q) -> None:
     try:
         for r in range(rounds):
             tier.store(objs_for(keys_for(seed * 1000 + r, 2)))
-            worst = max(worst, _held(path))
+            # Under the node lock nothing is admitted or evicted while the
+            # walk runs (a walk racing an eviction and a new write would
+            # count both); a publish keeps its inode, which _held counts once.
+            with tier._node():
+                worst = max(worst, _held(path))
     finally:
         tier.close()
     q.put(worst)
