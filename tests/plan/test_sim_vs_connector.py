@@ -54,11 +54,14 @@ def pair(tmp_path):
     shared_dir = store.tier("shared").dir
     write = shared_dir.write
 
-    def one_per_tick(obj, key, fsync):  # the file system's mtime clock ticks every 4 ms
-        time.sleep(0.005)
+    def stamped_exactly(obj, key, fsync):
+        # The kernel's coarse mtime clock may lag kvtier's exact access
+        # stamps by more than a tick (see test_models_vs_tiers): stamp new
+        # objects exactly, so recency is the policy's, not the clock's.
         write(obj, key, fsync)
+        shared_dir.touch(key, time.time())
 
-    shared_dir.write = one_per_tick
+    shared_dir.write = stamped_exactly
     settings = Settings(cfg, NS, BS, 1, "float32", Topology(1, None))
     # The scheduler looks up in the store this test's worker side fills.
     sched = KVTierScheduler(settings, GroupView(settings, stores=[store]), connector_metrics())
