@@ -14,9 +14,14 @@ import logging
 from typing import Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorRole,
+)
 
 from kvtier.codec import DTYPE_SIZES
+from kvtier.errors import ConfigError
 from kvtier.engine.store import TieredStore
 from kvtier.integrations.vllm.group import GroupView, reader_class
 from kvtier.integrations.vllm.metadata import KVTierMetadata
@@ -41,7 +46,24 @@ def _log_through_vllm() -> None:
     ours.propagate = False
 
 
+class PageHandshake(KVConnectorHandshakeMetadata):
+    """What a worker tells the scheduler side once its KV caches are
+    registered: its page layout (``KVTierWorker.page``), which completes
+    the namespace. vLLM 0.30-0.33 collect it from every worker before the
+    engine takes requests (``get_handshake_metadata``)."""
+
+    def __init__(self, page: str):
+        self.page = page
+
+
 class KVTierConnector(KVConnectorBase_V1):
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config=None) -> bool:
+        # vLLM 0.33's sleep mode frees the KV cache and hands the connector
+        # new tensors on wake; kvtier does not follow them yet, so vLLM
+        # refuses --enable-sleep-mode with kvtier at start (docs/vllm.md).
+        return False
+
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any):
         super().__init__(vllm_config, role, kv_cache_config)
         _log_through_vllm()
@@ -70,9 +92,10 @@ class KVTierConnector(KVConnectorBase_V1):
             tiers = [t.name for t in store.tiers]
         # The namespace digest roots every key (a hash; it names no model or
         # tenant): operators compare it across nodes that should share KV.
-        log.info("kvtier connector (%s%s): tiers %s, chunk %d tokens, TP %d%s, namespace %s", role.name,
+        # The scheduler side logs it once the workers' pages complete it.
+        log.info("kvtier connector (%s%s): tiers %s, chunk %d tokens, TP %d%s", role.name,
                  "" if topo.rank is None else f" rank {topo.rank}", tiers, s.store.chunk_tokens, topo.tp_size,
-                 " (replicated KV)" if topo.replicated else "", ns.digest().hex())
+                 " (replicated KV)" if topo.replicated else "")
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -99,7 +122,23 @@ class KVTierConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------ worker
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._worker.register_kv_caches(kv_caches)
+        self._worker.register_kv_caches(kv_caches, backend=_backend_name(self._vllm_config, self._worker.layer_names))
+
+    def get_handshake_metadata(self) -> PageHandshake | None:
+        if self._worker is None or self._worker.layout is None:
+            return None
+        return PageHandshake(self._worker.page)
+
+    def set_xfer_handshake_metadata(self, metadata: dict) -> None:
+        """Every worker's page layout (scheduler side); ranks of one engine
+        must agree."""
+        pages = {m.page for m in (metadata or {}).values() if isinstance(m, PageHandshake)}
+        if self._scheduler is None or not pages:
+            return
+        if len(pages) > 1:
+            raise ConfigError("kv_caches", f"the TP ranks' KV pages differ: {sorted(pages)}",
+                              "report it with this message: every rank of an engine must lay out its KV alike")
+        self._scheduler.set_page(pages.pop())
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         if self.has_connector_metadata():
@@ -150,3 +189,18 @@ class KVTierConnector(KVConnectorBase_V1):
             atexit.unregister(self._worker.close)
             self._worker.close()
             self._worker = None
+
+
+def _backend_name(vllm_config: Any, layer_names: list[str]) -> str:
+    """The attention backend the worker's layers run (vLLM picks it per
+    layer; kvtier's group is uniform), e.g. ``CPU_ATTN``, ``FLASH_ATTN``."""
+    ctx = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None) or {}
+    names = set()
+    for n in layer_names:
+        backend = getattr(ctx.get(n), "attn_backend", None)
+        if backend is not None:
+            try:
+                names.add(str(backend.get_name()))
+            except Exception:
+                names.add(getattr(backend, "__name__", "unknown"))
+    return "+".join(sorted(names)) or "unknown"

@@ -55,6 +55,10 @@ class ConnectorMetrics:
             "kvtier_vllm_assembled_chunks",
             "Chunk shards this engine cut from shards another TP size wrote (then stored as its own)",
             registry=registry)
+        self.skipped_requests = Counter(
+            "kvtier_vllm_skipped_requests",
+            "Requests kvtier offered no hit because they must compute their whole prompt (prompt logprobs, "
+            "skip_reading_prefix_cache)", registry=registry)
         self.saved_chunks = Counter(
             "kvtier_vllm_saved_chunks", "Chunk shards gathered from the engine and handed to the store",
             registry=registry)

@@ -60,6 +60,20 @@ class _Req:
     load_failed: bool = False  # a rank reported the load failed (failed_recving)
     sync_load: bool = False
     failed: bool = False  # a load failed, or the request is not cacheable: never claim
+    skipped: bool = False  # counted once as a request that must compute its whole prompt
+
+
+def must_compute_prompt(request) -> bool:
+    """A request whose every prompt token must be computed, so no cached
+    prefix may be claimed for it: prompt logprobs need each prompt position's
+    logits. vLLM 0.31+ marks it (``skip_reading_prefix_cache``, set from the
+    sampling or pooling parameters) and skips connectors for it itself;
+    vLLM 0.30 has neither, so kvtier asks the sampling parameters."""
+    skip = getattr(request, "skip_reading_prefix_cache", None)
+    if skip is not None:
+        return bool(skip)
+    params = getattr(request, "sampling_params", None)
+    return params is not None and getattr(params, "prompt_logprobs", None) is not None
 
 
 def _cacheable(request) -> bool:
@@ -94,6 +108,25 @@ class KVTierScheduler:
         self._roots: dict[str, ChunkKey] = {}
         self._lookups = PriorityExecutor("vllm-lookup", 2)
         self._pending_loads: list[LoadJob] = []
+        self._warned_unready = False
+
+    def set_page(self, page: str) -> None:
+        """The workers' page layout (their handshake, before any request):
+        it completes the namespace, and kvtier starts claiming and saving."""
+        self.settings = self.settings.with_page(page)
+        self._roots.clear()
+        log.info("kvtier: workers' pages %s; namespace %s", page, self.settings.namespace.digest().hex())
+
+    def _unready(self) -> bool:
+        """True (and warned once) while the workers' page layout is unknown:
+        keys made now would name pages kvtier has not seen."""
+        if not self.settings.awaiting_page:
+            return False
+        if not self._warned_unready:
+            self._warned_unready = True
+            log.warning("kvtier: no page layout from the workers yet (vLLM did not hand over their handshake); "
+                        "caching nothing until it does")
+        return True
 
     # ------------------------------------------------------------ keys
     def _state(self, request) -> _Req:
@@ -118,8 +151,15 @@ class KVTierScheduler:
 
     # ------------------------------------------------------------ lookup
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self._unready():
+            return 0, False
         st = self._state(request)
         if st.failed:
+            return 0, False
+        if must_compute_prompt(request):
+            if not st.skipped:
+                st.skipped = True
+                self.metrics.skipped_requests.inc()
             return 0, False
         usable = (request.num_tokens - 1) // self.bs * self.bs  # leave one token to compute
         if usable <= num_computed_tokens:
@@ -247,6 +287,8 @@ class KVTierScheduler:
 
     # ------------------------------------------------------------ allocation
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        if self._unready():
+            return
         st = self._state(request)
         block_ids = list(blocks.get_block_ids()[0])
         hit = _done_hit(st)

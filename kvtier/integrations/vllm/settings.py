@@ -14,6 +14,7 @@ owned by the worker of that rank, which the scheduler reads without owning.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, replace
 from typing import Any
@@ -23,7 +24,12 @@ from kvtier.integrations.vllm import identity
 from kvtier.errors import ConfigError
 from kvtier.keys import ChunkKey, Namespace, shard_key
 
-SUPPORTED_VLLM = ("0.32.",)
+# vLLM releases whose connector API kvtier is written against: the oldest it
+# runs on, and the newest it was checked with (docs/vllm.md says how each
+# was checked). Older ones are refused; newer ones start with a warning.
+OLDEST_VLLM = (0, 30)
+NEWEST_VLLM = (0, 33)
+log = logging.getLogger(__name__)
 _OWN_KEYS = {"config", "model_fingerprint", "share_tp_sizes"}
 
 
@@ -82,6 +88,16 @@ class Settings:
     num_layers: int
     kv_dtype: str  # kvtier dtype name of the KV cache tensors
     topology: Topology
+    kv_layout: str | None = None  # the KVCacheLayout vLLM resolved (None: not told)
+    # The scheduler side learns the workers' page layout (backend, kernel
+    # split, page axes) from their handshake, after it is built; it claims
+    # and saves nothing until then (``with_page``).
+    awaiting_page: bool = False
+
+    def with_page(self, page: str) -> "Settings":
+        """These settings with the workers' page layout in the namespace."""
+        return replace(self, namespace=replace(self.namespace, layout=f"{self.namespace.layout}/{page}"),
+                       awaiting_page=False)
 
     @property
     def heads_per_rank(self) -> int:
@@ -112,13 +128,33 @@ class Settings:
         return replace(self.store, tiers=tuple(tiers))
 
 
+def _release(version: str) -> tuple[int, int] | None:
+    """(major, minor) of a vLLM version string ("0.32.0+cpu", "0.33.1.dev4+g1a2b")."""
+    parts = version.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def check_vllm_version(version: str) -> None:
+    """Refuse a vLLM older than the oldest supported release (its connector
+    API differs), warn on one newer than the newest checked. The version is
+    part of every namespace either way (``layout_name``)."""
+    oldest, newest = ".".join(map(str, OLDEST_VLLM)), ".".join(map(str, NEWEST_VLLM))
+    rel = _release(version)
+    if rel is None or rel < OLDEST_VLLM:
+        raise ConfigError("vllm", f"vLLM {version} is older than kvtier supports",
+                          f"use vLLM {oldest} to {newest}.x")
+    if rel > NEWEST_VLLM:
+        log.warning("kvtier: vLLM %s is newer than the newest release kvtier was checked with (%s.x); "
+                    "it starts, but report any failure with the vLLM version", version, newest)
+
+
 def load_settings(vllm_config: Any, kv_cache_config: Any, worker: bool) -> Settings:
     import vllm
 
-    if not vllm.__version__.startswith(SUPPORTED_VLLM):
-        raise ConfigError(
-            "vllm", f"vLLM {vllm.__version__} is not a supported version", f"use vLLM {' or '.join(v + 'x' for v in SUPPORTED_VLLM)}"
-        )
+    check_vllm_version(vllm.__version__)
     ktc = vllm_config.kv_transfer_config
     if getattr(ktc, "kv_load_failure_policy", "recompute") != "recompute":
         raise ConfigError(
@@ -159,17 +195,30 @@ def load_settings(vllm_config: Any, kv_cache_config: Any, worker: bool) -> Setti
     # The namespace is the model's, whatever the TP size: a chunk's shards
     # are named by (TP size, rank) in shard_key, so that engines of other
     # TP sizes can find and assemble them.
+    kv_layout = resolved_layout(vllm_config, kv_cache_config)
     ns = Namespace(
         model=identity.model_name(str(mc.model)),
         model_fingerprint=model_fingerprint(vllm_config, fingerprint),
         kv_dtype=kv_dtype,
-        layout=layout_name(vllm_config, spec),
+        layout=layout_name(vllm_config, spec, kv_layout),
         num_layers=len(groups[0].layer_names),
         num_kv_heads=heads,
         head_dim=int(spec.head_size),
         chunk_tokens=store.chunk_tokens,
     )
-    return Settings(store, ns, block_size, len(groups[0].layer_names), kv_dtype, topology)
+    return Settings(store, ns, block_size, len(groups[0].layer_names), kv_dtype, topology, kv_layout,
+                    awaiting_page=not worker)
+
+
+def resolved_layout(vllm_config: Any, kv_cache_config: Any) -> str | None:
+    """The ``KVCacheLayout`` name vLLM's engine core resolved before building
+    connectors (0.30-0.33: on the KV cache config and the cache config)."""
+    name = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(
+        getattr(vllm_config, "cache_config", None), "kv_cache_layout", None)
+    if name is None:
+        return None
+    name = getattr(name, "name", name)  # an enum member in some code paths
+    return {"NHD": "LBNHC", "HND": "LBHNC"}.get(str(name), str(name))
 
 
 def _other_tp_sizes(tp: int, heads: int, replicated: bool, wanted) -> tuple[int, ...]:
@@ -211,11 +260,14 @@ def node_memory(store: StoreConfig) -> StoreConfig:
     return replace(store, tiers=tuple(tiers))
 
 
-def layout_name(vllm_config: Any, spec: Any) -> str:
-    """Names everything that decides how a block's bytes are arranged: vLLM
-    version, platform, attention kernel variant and block size. Chunks are
-    whole engine pages copied as opaque bytes, so two engines share KV only if
-    their pages are laid out identically."""
+def layout_name(vllm_config: Any, spec: Any, kv_layout: str | None) -> str:
+    """Names what the scheduler side knows of how a block's bytes are
+    arranged: vLLM version, platform, CPU attention kernel variant, block
+    size and the resolved ``KVCacheLayout``. The workers add the rest (the
+    attention backend they run, kernel blocks per block, the page's axes:
+    ``Settings.with_page``). Chunks are whole engine pages copied as opaque
+    bytes, so two engines share KV only if their pages are laid out
+    identically."""
     import vllm
     from vllm.platforms import current_platform
 
@@ -228,8 +280,7 @@ def layout_name(vllm_config: Any, spec: Any) -> str:
             variant = _get_attn_isa(spec.dtype, spec.block_size, spec.head_size, vllm_config.cache_config.cache_dtype)
         except Exception as exc:  # an unknown ISA must not share with a known one
             variant = f"unknown:{type(exc).__name__}"
-    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
-    return f"vllm{vllm.__version__}/{device}/{backend or 'auto'}/{variant}/bs{spec.block_size}/pages"
+    return f"vllm{vllm.__version__}/{device}/{variant}/bs{spec.block_size}/{kv_layout or 'unresolved'}"
 
 
 def model_fingerprint(vllm_config: Any, mode: str | None = None) -> str:

@@ -29,7 +29,7 @@ from kvtier.codec import DTYPE_SIZES, ChunkObject, build, encode
 from kvtier.engine.executor import LOAD, PriorityExecutor
 from kvtier.engine.store import TieredStore
 from kvtier.errors import ConfigError
-from kvtier.integrations.vllm.layout import BlockLayout, detect
+from kvtier.integrations.vllm.layout import PageLayout, detect
 from kvtier.integrations.vllm.metadata import KVTierMetadata, LoadJob, SaveJob
 from kvtier.integrations.vllm.metrics import ConnectorMetrics
 from kvtier.integrations.vllm.settings import Settings
@@ -54,23 +54,25 @@ class KVTierWorker:
         self._shard = settings.topology.own_shard
         self.layer_names = layer_names
         self.num_blocks = num_blocks
-        self.layout: BlockLayout | None = None
+        self.layout: PageLayout | None = None
+        self.page = ""  # backend and page layout, for the scheduler side (handshake)
         self._loader = PriorityExecutor("vllm-load", 2)
         self._lock = threading.Lock()
         self._inflight: dict[str, _InFlight] = {}  # asynchronous loads not yet reported
         self._errors_to_report: set[int] = set()
         self._arrived = threading.Event()  # set when a chunk arrived or a load finished reading
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], backend: str = "unknown") -> None:
         missing = [n for n in self.layer_names if n not in kv_caches]
         if missing:
             raise ConfigError("kv_caches", f"no KV cache tensor for layer {missing[0]}", "report this vLLM version")
         layers = [kv_caches[n] for n in self.layer_names]
-        self.layout = detect(layers, self.num_blocks)
+        self.layout = detect(layers, self.num_blocks, expected=self.settings.kv_layout)
+        self.page = f"{backend}/{self.layout.describe()}"
         dtype = str(self.layout.dtype).removeprefix("torch.")
         if dtype != self.settings.kv_dtype:
             raise ConfigError("kv_cache_dtype", f"KV tensors are {dtype}, the spec says {self.settings.kv_dtype}", "report this vLLM version")
-        log.info("kvtier: %d layers, layout %s, chunk shape %s", len(layers), self.layout.name,
+        log.info("kvtier: %d layers, pages %s, chunk shape %s", len(layers), self.page,
                  self.layout.chunk_shape(self.settings.store.chunk_tokens // self.settings.block_size))
 
     def _key(self, key: ChunkKey) -> ChunkKey:

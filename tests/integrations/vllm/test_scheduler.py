@@ -135,6 +135,26 @@ def test_multimodal_and_lora_requests_bypass_kvtier(sched):
     assert ask(sched, request("b", TOK[:20], lora=object())) == (0, False)
 
 
+def test_a_request_that_must_compute_its_prompt_is_never_claimed(sched):
+    """Prompt logprobs need every prompt position computed: vLLM 0.31+ marks
+    such requests ``skip_reading_prefix_cache``; vLLM 0.30 does not (only
+    the sampling parameters say it) and asks connectors anyway."""
+    store_chunks(sched, TOK, [C, C])
+    before = sched.metrics.skipped_requests._value.get()
+    marked = request("a", TOK[:20])
+    marked.skip_reading_prefix_cache = True
+    assert ask(sched, marked) == (0, False)
+    old = request("b", TOK[:20])  # 0.30: no attribute, prompt logprobs asked for
+    old.sampling_params = SimpleNamespace(prompt_logprobs=1)
+    assert ask(sched, old) == (0, False)
+    assert ask(sched, old) == (0, False)  # asked again: counted once
+    assert sched.metrics.skipped_requests._value.get() == before + 2
+    plain = request("c", TOK[:20])
+    plain.skip_reading_prefix_cache = False
+    plain.sampling_params = SimpleNamespace(prompt_logprobs=None)
+    assert ask(sched, plain) == (16, False)
+
+
 def test_saves_full_chunks_as_they_fill_and_the_prompt_tail(sched):
     req = request("a", TOK[:22])  # prompt of 22: chunks [0,8) [8,16), tail [16,20)
     assert ask(sched, req) == (0, False)
