@@ -86,9 +86,13 @@ class PageLayout:
         self.name = order + (f"/r{split}" if split > 1 else "")
 
     def describe(self) -> str:
-        """What decides a payload's bytes besides dtype and sizes: the
-        layout, the kernel split and the page's axis order and sizes."""
-        return f"{self.name}/page{''.join(n for n, _, _ in self.page)}{list(self.page_shape)}"
+        """What decides a payload's bytes besides dtype: the layout, the
+        kernel split and the page's axes in memory order with their sizes,
+        heads as ``h``: a rank's head count follows from the TP size, which
+        names each shard (``shard_key``), so engines of other TP sizes keep
+        one namespace and can assemble each other's shards."""
+        sizes = "x".join("h" if n == "H" else str(size) for n, size, _ in self.page)
+        return f"{self.name}/page{''.join(n for n, _, _ in self.page)}{sizes}"
 
     def chunk_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (len(self.layers), num_blocks, *self.page_shape)

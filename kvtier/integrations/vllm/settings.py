@@ -50,7 +50,7 @@ class Topology:
     heads: int = 1  # KV heads of the whole model (each rank holds heads / tp_size)
     # Other TP sizes whose shards this engine can assemble its own from (a
     # store written at TP=2 read at TP=1, and the reverse): every size that
-    # divides the heads, on layouts whose pages keep heads apart.
+    # divides the heads (on CPU; see _other_tp_sizes).
     other_tp_sizes: tuple[int, ...] = ()
 
     @property
@@ -224,9 +224,10 @@ def resolved_layout(vllm_config: Any, kv_cache_config: Any) -> str | None:
 def _other_tp_sizes(tp: int, heads: int, replicated: bool, wanted) -> tuple[int, ...]:
     """TP sizes besides ``tp`` whose shards can be assembled into ours:
     ``wanted`` (``share_tp_sizes`` in kv_connector_extra_config), or by
-    default every size up to 8 that divides the model's KV heads. Only on
-    the CPU page layout (``[heads, block, 2 x head dim]`` per page, heads
-    apart), and never for replicated KV (one object serves every TP size)."""
+    default every size up to 8 that divides the model's KV heads. Every
+    page layout keeps heads apart (``PageLayout.head_axis``), but only the
+    CPU one has run it end to end, so only there; never for replicated KV
+    (one object serves every TP size)."""
     from vllm.platforms import current_platform
 
     if replicated or current_platform.device_type != "cpu":

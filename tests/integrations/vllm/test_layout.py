@@ -107,7 +107,11 @@ def test_the_gpu_default_layout_is_not_taken_for_the_cpu_one():
     la, lb = detect(a, 4), detect(b, 4)
     assert (la.order, lb.order) == ("LBHNC", "LBNHC")
     assert la.describe() != lb.describe()
+    assert " " not in la.describe()  # one token in log lines
     assert la.chunk_shape(1) != lb.chunk_shape(1)
+    # Other head counts (other TP sizes of one model) keep one name.
+    _, e = vllm_views("LBHNC", 2, 4, 4, 16, 8)
+    assert detect(e, 4).describe() == la.describe() == "LBHNC/pageHNChx16x16"
     # One head: same bytes, different names all the same (never shared).
     _, c = vllm_views("LBHNC", 2, 4, 1, 16, 8)
     _, d = vllm_views("LBNHC", 2, 4, 1, 16, 8)
@@ -157,8 +161,8 @@ def test_the_layout_and_the_workers_pages_are_in_the_namespace():
     ns = Namespace("m", "f", "float32", "x", 2, 2, 8, 16)
     base = Settings(parse_store_config({"tiers": [{"kind": "memory", "capacity": 1 << 20}], "chunk_tokens": 16}),
                     ns, 16, 2, "float32", Topology(1, None), "LBNHC", awaiting_page=True)
-    pages = ("FLASH_ATTN/LBNHC/pageNHC[16, 2, 16]", "FLASHINFER/LBNHC/pageNHC[16, 2, 16]",
-             "FLASH_ATTN/LBNHC/r2/pageRNHC[2, 8, 2, 16]")
+    pages = ("FLASH_ATTN/LBNHC/pageNHC16xhx16", "FLASHINFER/LBNHC/pageNHC16xhx16",
+             "FLASH_ATTN/LBNHC/r2/pageRNHC2x8xhx16")
     digests = {base.with_page(p).namespace.digest() for p in pages}
     assert len(digests) == 3
     assert not base.with_page(pages[0]).awaiting_page

@@ -128,7 +128,7 @@ def _snapshot(c: Ctx) -> None:
 
 
 def _namespace(log: str) -> bytes:
-    found = set(re.findall(r"kvtier connector \(SCHEDULER\).*namespace ([0-9a-f]{64})", log))
+    found = set(re.findall(r"kvtier: workers' pages \S+; namespace ([0-9a-f]{64})", log))
     assert len(found) == 1, f"expected the scheduler's namespace line once, found {found}"
     return bytes.fromhex(found.pop())
 
