@@ -89,6 +89,26 @@ def round_trip(layout, heads, device, split=None):
     return {"layout": pl.name, "heads": heads, "page": pl.describe(), "exact": bool(ok), "untouched": bool(untouched)}
 
 
+def device_path(device, layout="LBNHC"):
+    """kvtier's device data path (transfer.py: pinned staging reused, copy
+    stream, events) round-trips a chunk: save enqueued behind the engine's
+    stream, bytes read once its event completed, loaded back elsewhere."""
+    from kvtier.integrations.vllm.transfer import DevicePath
+
+    buf, vs = views(layout, 4, 12, 8, 16, 64, device, torch.bfloat16)
+    pl = detect(vs, 12, expected=layout)
+    dp = DevicePath(pl)
+    want = [v[3].clone() for v in vs]
+    p = dp.save([3, 4])
+    payload = bytes(dp.saved_bytes(p))
+    dp.release(p)
+    q = dp.load([8, 9], memoryview(payload), pl.chunk_shape(2))
+    torch.cuda.current_stream(device).synchronize()
+    ok = q.finished() and all(torch.equal(as_bytes(v[8]), as_bytes(w)) for v, w in zip(vs, want))
+    dp.release(q)
+    return {"layout": layout, "exact": bool(ok), "staging_buffers": dp.staging.allocated}
+
+
 def throughput(device, repeats, layout="LBNHC"):
     """GiB/s of kvtier's gather/scatter for a 256-token chunk of a
     Qwen2.5-7B-shaped model (28 layers, 4 KV heads, head 128, bf16:
@@ -146,6 +166,11 @@ def main() -> int:
     print("|---|---:|---|---|---|")
     for r in rows:
         print(f"| {r['layout']} | {r['heads']} | {r['page']} | {r['exact']} | {r['untouched']} |")
+    dpath = device_path(device) if device.type == "cuda" else None
+    if dpath is not None:
+        print(f"\ndevice path (pinned staging, copy stream, events): byte-exact {dpath['exact']}, "
+              f"{dpath['staging_buffers']} staging buffer(s) for a save and a load")
+        rows.append({**dpath, "heads": 8, "page": "device path", "untouched": True})
     tp = throughput(device, args.repeats)
     print(f"\nchunk of {tp['chunk_bytes'] / 2**20:.1f} MiB, median of {args.repeats}:")
     print(f"  gather (device -> host): {tp['gather_gib_s']:.2f} GiB/s; limit (1 GiB pinned copy) "

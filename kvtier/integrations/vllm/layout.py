@@ -122,7 +122,7 @@ class PageLayout:
             return
         idx = self._index(block_ids[first:])
         for li, part in enumerate(src):
-            self._pages(li).index_copy_(0, idx, part[first:].to(self.device))
+            self._pages(li).index_copy_(0, idx, part[first:].to(self.device, non_blocking=part.is_pinned()))
 
     def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
         return torch.tensor(list(block_ids), dtype=torch.long, device=self.device)

@@ -261,7 +261,19 @@ class KVTierScheduler:
     def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
         from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-        st = self._reqs.get(request.request_id)
+        out: dict = {}
+        for tier, n in self._claimed_by_tier(self._reqs.get(request.request_id), num_external_tokens).items():
+            if tier in self.view.host_memory:
+                src = CacheHitSource.HOST
+            elif self.view.kinds.get(tier) == "disk":
+                src = CacheHitSource.DISK
+            else:
+                src = CacheHitSource.EXTERNAL_UNSPECIFIED
+            out[src] = out.get(src, 0) + n
+        return out
+
+    def _claimed_by_tier(self, st: _Req | None, num_external_tokens: int) -> dict[str, int]:
+        """Tokens of the claimed hit, by the slowest tier holding each chunk."""
         hit = _done_hit(st)
         if not num_external_tokens or hit is None:
             return {}
@@ -273,17 +285,7 @@ class KVTierScheduler:
             if b > a:
                 by_tier[tier] = by_tier.get(tier, 0) + b - a
             pos += k.num_tokens
-        out: dict = {}
-        for tier, n in by_tier.items():
-            self.metrics.external_hit_tokens.labels(tier).inc(n)
-            if tier in self.view.host_memory:
-                src = CacheHitSource.HOST
-            elif self.view.kinds.get(tier) == "disk":
-                src = CacheHitSource.DISK
-            else:
-                src = CacheHitSource.EXTERNAL_UNSPECIFIED
-            out[src] = out.get(src, 0) + n
-        return out
+        return by_tier
 
     # ------------------------------------------------------------ allocation
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
@@ -291,6 +293,10 @@ class KVTierScheduler:
             return
         st = self._state(request)
         block_ids = list(blocks.get_block_ids()[0])
+        # Counted here, where every vLLM from 0.30 reports the claim
+        # (get_external_cache_hit_sources exists from 0.32 only).
+        for tier, n in self._claimed_by_tier(st, num_external_tokens).items():
+            self.metrics.external_hit_tokens.labels(tier).inc(n)
         hit = _done_hit(st)
         if hit is not None and not st.failed:
             # Chunks kvtier already holds need no save; a partial last chunk

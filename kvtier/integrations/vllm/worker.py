@@ -26,7 +26,7 @@ import time
 import torch
 
 from kvtier.codec import DTYPE_SIZES, ChunkObject, build, encode
-from kvtier.engine.executor import LOAD, PriorityExecutor
+from kvtier.engine.executor import LOAD, STORE, PriorityExecutor
 from kvtier.engine.store import TieredStore
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.layout import PageLayout, detect
@@ -55,6 +55,9 @@ class KVTierWorker:
         self.layer_names = layer_names
         self.num_blocks = num_blocks
         self.layout: PageLayout | None = None
+        self.device = None  # DevicePath for device tensors (transfer.py); CPU pages are copied directly
+        self._sync_pending: list = []  # device copies of synchronous loads, staging not yet back
+        self._saver: PriorityExecutor | None = None
         self.page = ""  # backend and page layout, for the scheduler side (handshake)
         self._loader = PriorityExecutor("vllm-load", 2)
         self._lock = threading.Lock()
@@ -69,6 +72,11 @@ class KVTierWorker:
         layers = [kv_caches[n] for n in self.layer_names]
         self.layout = detect(layers, self.num_blocks, expected=self.settings.kv_layout)
         self.page = f"{backend}/{self.layout.describe()}"
+        if self.layout.device.type != "cpu":
+            from kvtier.integrations.vllm.transfer import DevicePath
+
+            self.device = DevicePath(self.layout)
+            self._saver = PriorityExecutor("vllm-save", 1)
         dtype = str(self.layout.dtype).removeprefix("torch.")
         if dtype != self.settings.kv_dtype:
             raise ConfigError("kv_cache_dtype", f"KV tensors are {dtype}, the spec says {self.settings.kv_dtype}", "report this vLLM version")
@@ -82,7 +90,10 @@ class KVTierWorker:
     # ------------------------------------------------------------ loads
     def start_load_kv(self, meta: KVTierMetadata) -> None:
         """Synchronous loads (chunks in host memory) are copied in right here,
-        before this step's forward; asynchronous ones go to the loader."""
+        before this step's forward (on a device: enqueued, the forward
+        ordered after them); asynchronous ones go to the loader."""
+        if self._sync_pending:
+            self._sync_pending = [p for p in self._sync_pending if not self._reclaimed(p)]
         for job in meta.loads:
             if job.sync:
                 t0 = time.perf_counter()
@@ -93,6 +104,7 @@ class KVTierWorker:
                     objs = []
                 flight = _InFlight(job)
                 flight.copy_in(self, objs)
+                self._sync_pending.extend(flight.pending)
                 failed = flight.missing_blocks()
                 self.metrics.scatter_seconds.observe(time.perf_counter() - t0)
                 with self._lock:
@@ -246,7 +258,9 @@ class KVTierWorker:
         failed: set[int] = set()
         for flight, objs, read_done in batches:
             flight.copy_in(self, objs)
-            if read_done:  # everything that will arrive has: report it
+            # Everything that will arrive has, and is in the engine's blocks
+            # (device copies completed): report it.
+            if read_done and flight.copies_done(self):
                 failed |= flight.missing_blocks()
                 finished.add(flight.job.req_id)
         self.metrics.scatter_seconds.observe(time.perf_counter() - t0)
@@ -255,6 +269,12 @@ class KVTierWorker:
                 del self._inflight[rid]
             self._errors_to_report |= failed
         return None, finished or None
+
+    def _reclaimed(self, p) -> bool:
+        if not p.finished():
+            return False
+        self.device.release(p)
+        return True
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:
@@ -271,6 +291,9 @@ class KVTierWorker:
         self.metrics.save_seconds.observe(time.perf_counter() - t0)
 
     def _save(self, job: SaveJob) -> None:
+        if self.device is not None:
+            self._save_from_device(job)
+            return
         layout, dtype = self.layout, self.layout.dtype
         objs: list[ChunkObject] = []
         try:
@@ -289,7 +312,36 @@ class KVTierWorker:
             for o in objs:
                 o.release()
 
+    def _save_from_device(self, job: SaveJob) -> None:
+        """Enqueue each chunk's device-to-host copy behind this step's
+        forward (the host does not wait); the saver thread hands the bytes
+        to the store once the copy completed."""
+        try:
+            pending = [(c, self.device.save(c.block_ids)) for c in job.chunks]
+        except Exception as exc:  # a failed save costs a future hit, never this request
+            log.warning("kvtier: save for %s failed: %s", job.req_id, exc)
+            return
+        self._saver.submit(STORE, self._store_saved, job.req_id, pending)
+
+    def _store_saved(self, req_id: str, pending) -> None:
+        objs: list[ChunkObject] = []
+        try:
+            for c, p in pending:
+                payload = self.device.saved_bytes(p)  # waits for the copy
+                objs.append(encode(self._key(c.key), self.settings.kv_dtype, p.shape, payload, self.store.pool))
+            self.store.put(objs)
+            self.metrics.saved_chunks.inc(len(objs))
+        except Exception as exc:
+            log.warning("kvtier: save for %s failed: %s", req_id, exc)
+        finally:
+            for o in objs:
+                o.release()
+            for _, p in pending:
+                self.device.release(p)
+
     def close(self) -> None:
+        if self._saver is not None:
+            self._saver.close()
         self._loader.close()
         self.store.close()
 
@@ -305,6 +357,7 @@ class _InFlight:
         self.read_done = False
         self.copied = 0  # leading chunks copied into the engine
         self.broken = False  # a copy failed: nothing more is copied
+        self.pending: list = []  # device copies enqueued, not yet known complete
 
     def copy_in(self, worker: KVTierWorker, objs: list[ChunkObject]) -> None:
         layout = worker.layout
@@ -314,8 +367,11 @@ class _InFlight:
                     break
                 c = self.job.chunks[self.copied]
                 try:
-                    src = torch.frombuffer(obj.payload, dtype=layout.dtype).view(obj.header.shape)
-                    layout.scatter(c.block_ids, layout.leading_blocks(src, len(c.block_ids)), first=c.skip)
+                    if worker.device is not None:
+                        self.pending.append(worker.device.load(c.block_ids, obj.payload, obj.header.shape, c.skip))
+                    else:
+                        src = torch.frombuffer(obj.payload, dtype=layout.dtype).view(obj.header.shape)
+                        layout.scatter(c.block_ids, layout.leading_blocks(src, len(c.block_ids)), first=c.skip)
                     self.copied += 1
                 except Exception as exc:
                     log.warning("kvtier: copying %s into the engine failed: %s; recomputing", self.job.req_id, exc)
@@ -323,6 +379,14 @@ class _InFlight:
         finally:
             for o in objs:
                 o.release()
+
+    def copies_done(self, worker: KVTierWorker) -> bool:
+        """Whether every device copy of this load completed (their staging
+        goes back to the pool); always true on CPU, where copies are done
+        when ``copy_in`` returns."""
+        while self.pending and self.pending[0].finished():
+            worker.device.release(self.pending.pop(0))
+        return not self.pending
 
     def missing_blocks(self) -> set[int]:
         """Blocks of the chunks that were not copied in (vLLM recomputes them)."""
