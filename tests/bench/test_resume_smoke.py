@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from kvtier.bench import workloads
+from kvtier.bench.resume_report import noise
 from kvtier.bench.tinymodels import PRESETS
 
 
@@ -54,7 +55,10 @@ def test_bench_resume_w1_smoke(tmp_path):
     # in the noise: then the bar says so instead of dividing by it.
     assert s["ratios"]["512"]["load_measure"] == "over_floor_s"
     assert by["example"]["over_floor_s"] == pytest.approx(by["example"]["ttft_p50_s"] - s["ratios"]["512"]["floor_s"])
-    assert (s["checks"]["512"]["load_vs_example"]["met"] is None) == (by["example"]["over_floor_s"] <= 0)
+    # No bar when Example's load is within its own spread in this run (what
+    # two runs of the same thing may differ by), let alone under the floor.
+    assert (s["checks"]["512"]["load_vs_example"]["met"] is None) == (
+        by["example"]["over_floor_s"] <= noise(by["example"]))
     assert set(s["fio"]["512"]["gbps_by_job"]) == {"qd1", "qd8", "qd32", "buffered-128k-x16"}
     # The request log: one record per request of every configuration, warm phases included.
     assert len(run["requests"]) == 6 * 2 * 3
