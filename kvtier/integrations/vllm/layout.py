@@ -231,7 +231,7 @@ def _order(axes, block_stride: int, layer_stride: int | None, expected: str | No
     from_strides["B"] = block_stride
     if layer_stride is not None:
         from_strides["L"] = layer_stride
-    expected = _ALIASES.get(expected or "", expected) or None
+    expected = LEGACY_NAMES.get(expected or "", expected) or None
     if expected is not None and expected not in _LAYOUTS:
         raise _refuse(f"vLLM resolved KV cache layout {expected!r}, which kvtier does not know",
                       f"set VLLM_KV_CACHE_LAYOUT to one of {', '.join(_LAYOUTS)}")
@@ -250,7 +250,7 @@ def _order(axes, block_stride: int, layer_stride: int | None, expected: str | No
 # vLLM's KVCacheLayout members (v1/kv_cache_layout.py, identical in 0.30-0.33)
 # and the legacy names its settings still accept.
 _LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
-_ALIASES = {"NHD": "LBNHC", "HND": "LBHNC"}
+LEGACY_NAMES = {"NHD": "LBNHC", "HND": "LBHNC"}
 
 
 def _consistent(order: str, strides: dict[str, int]) -> bool:

@@ -217,8 +217,10 @@ def resolved_layout(vllm_config: Any, kv_cache_config: Any) -> str | None:
         getattr(vllm_config, "cache_config", None), "kv_cache_layout", None)
     if name is None:
         return None
-    name = getattr(name, "name", name)  # an enum member in some code paths
-    return {"NHD": "LBNHC", "HND": "LBHNC"}.get(str(name), str(name))
+    from kvtier.integrations.vllm.layout import LEGACY_NAMES
+
+    name = str(getattr(name, "name", name))  # an enum member in some code paths
+    return LEGACY_NAMES.get(name, name)
 
 
 def _other_tp_sizes(tp: int, heads: int, replicated: bool, wanted) -> tuple[int, ...]:
