@@ -174,3 +174,51 @@ def test_window_limit_is_at_least_one():
     w = ByteWindow(0)
     assert w.limit == 1
     assert w.acquire(5, timeout=0)
+
+
+needs_two_cpus = pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="thread placement needs Linux and two CPUs")
+
+
+def _where(ex: PriorityExecutor) -> set[int]:
+    """The CPUs a job of ``ex`` runs on."""
+    return ex.submit(LOAD, os.sched_getaffinity, 0).result(10)
+
+
+def _pinned(cpus, fn):
+    """``fn()`` in a thread pinned to ``cpus``, as an engine pins its own (a
+    thread it starts inherits that pin)."""
+    out: list = []
+
+    def run():
+        os.sched_setaffinity(0, cpus)
+        out.append(fn())
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(20)
+    return out[0]
+
+
+@needs_two_cpus
+def test_threads_inherit_the_pin_of_the_thread_that_starts_them_unless_placed():
+    from kvtier.engine import executor
+
+    every = set(os.sched_getaffinity(0))
+    one = {min(every)}
+    try:
+        executor.place_io_threads(None)
+        inherited = PriorityExecutor("inherit", 1)
+        assert _pinned(one, lambda: _where(inherited)) == one
+        executor.place_io_threads(every)
+        placed = PriorityExecutor("placed", 1)
+        assert _pinned(one, lambda: _where(placed)) == every
+        # Threads running before the placement move too.
+        executor.place_io_threads({max(every)})
+        assert _where(inherited) == {max(every)}
+        assert _where(placed) == {max(every)}
+    finally:
+        executor.place_io_threads(None)
+        inherited.close()
+        placed.close()

@@ -2,7 +2,8 @@
 
 ``kv_connector_extra_config`` holds kvtier's own settings: ``config`` (a
 kvtier config file), any StoreConfig key inline (``tiers``, ``chunk_tokens``,
-...), and ``model_fingerprint`` to pin the weights identity explicitly.
+...), ``model_fingerprint`` to pin the weights identity explicitly, and
+``io_cpus`` to place kvtier's I/O threads in the workers (``parse_io_cpus``).
 Inline keys override the file, which overrides ``KVTIER_*`` variables.
 
 The topology decides which tiers each process opens (see ``Topology`` and
@@ -30,7 +31,7 @@ from kvtier.keys import ChunkKey, Namespace, shard_key
 OLDEST_VLLM = (0, 30)
 NEWEST_VLLM = (0, 33)
 log = logging.getLogger(__name__)
-_OWN_KEYS = {"config", "model_fingerprint", "share_tp_sizes"}
+_OWN_KEYS = {"config", "model_fingerprint", "share_tp_sizes", "io_cpus"}
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,9 @@ class Settings:
     # split, page axes) from their handshake, after it is built; it claims
     # and saves nothing until then (``with_page``).
     awaiting_page: bool = False
+    # Where the worker's kvtier threads run: "auto", "inherit" or CPU ids
+    # (parse_io_cpus; applied by the worker once it sees its KV tensors).
+    io_cpus: str | frozenset[int] = "auto"
 
     def with_page(self, page: str) -> "Settings":
         """These settings with the workers' page layout in the namespace."""
@@ -166,6 +170,7 @@ def load_settings(vllm_config: Any, kv_cache_config: Any, worker: bool) -> Setti
     path = extra.pop("config", None)
     fingerprint = extra.pop("model_fingerprint", None)
     extra_tp = extra.pop("share_tp_sizes", None)
+    io_cpus = parse_io_cpus(extra.pop("io_cpus", "auto"))
     store = node_memory(load_config(path, overrides=extra))
 
     groups = kv_cache_config.kv_cache_groups
@@ -207,7 +212,63 @@ def load_settings(vllm_config: Any, kv_cache_config: Any, worker: bool) -> Setti
         chunk_tokens=store.chunk_tokens,
     )
     return Settings(store, ns, block_size, len(groups[0].layer_names), kv_dtype, topology, kv_layout,
-                    awaiting_page=not worker)
+                    awaiting_page=not worker, io_cpus=io_cpus)
+
+
+def parse_io_cpus(value: Any) -> str | frozenset[int]:
+    """``io_cpus``: where a worker's kvtier threads (loads, tier I/O, saves) run.
+
+    - ``auto`` (default): on vLLM's CPU backend, which pins every thread of a
+      worker to its OpenMP cores (threads inherit that pin), the CPUs of the
+      engine process that started the worker; elsewhere as inherited (a GPU
+      worker under ``numa_bind`` keeps its NUMA node).
+    - ``inherit``: wherever the worker's thread that starts them runs.
+    - CPU ids: ``"0-3,8"`` or ``[0, 1, 2, 3, 8]``.
+    """
+    if isinstance(value, str) and value.strip().lower() in ("auto", "inherit"):
+        return value.strip().lower()
+    fix = 'write "auto", "inherit", or CPU ids such as "0-3,8"'
+    cpus: set[int] = set()
+    try:
+        parts = value if isinstance(value, (list, tuple)) else str(value).split(",")
+        for part in parts:
+            lo, _, hi = str(part).strip().partition("-")
+            first, last = int(lo), int(hi or lo)
+            if first < 0 or last < first:
+                raise ValueError(part)
+            cpus.update(range(first, last + 1))
+    except (TypeError, ValueError):
+        raise ConfigError("io_cpus", f"cannot read CPU ids from {value!r}", fix) from None
+    if not cpus:
+        raise ConfigError("io_cpus", "names no CPU", fix)
+    if hasattr(os, "sched_getaffinity") and not cpus & _allowed_cpus():
+        raise ConfigError("io_cpus", f"none of CPUs {cpu_list(cpus)} is available to this process",
+                          f"name CPUs among {cpu_list(_allowed_cpus())}")
+    return frozenset(cpus)
+
+
+def _allowed_cpus() -> set[int]:
+    """The CPUs this process's engine may use: its parent's (the engine
+    process of a worker), else its own."""
+    for pid in (os.getppid(), 0):
+        try:
+            return set(os.sched_getaffinity(pid))
+        except OSError:
+            continue
+    return set(range(os.cpu_count() or 1))
+
+
+def io_thread_cpus(setting: str | frozenset[int], kv_on_cpu: bool) -> frozenset[int] | None:
+    """The CPUs for this worker's kvtier threads under ``setting``; None: as inherited."""
+    if isinstance(setting, frozenset):
+        return setting
+    if setting == "auto" and kv_on_cpu and hasattr(os, "sched_getaffinity"):
+        return frozenset(_allowed_cpus())
+    return None
+
+
+def cpu_list(cpus) -> str:
+    return ",".join(map(str, sorted(cpus)))
 
 
 def resolved_layout(vllm_config: Any, kv_cache_config: Any) -> str | None:

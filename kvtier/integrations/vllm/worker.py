@@ -20,19 +20,20 @@ recomputes the union for all ranks.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
 import torch
 
 from kvtier.codec import DTYPE_SIZES, ChunkObject, build, encode
-from kvtier.engine.executor import LOAD, STORE, PriorityExecutor
+from kvtier.engine.executor import LOAD, STORE, PriorityExecutor, place_io_threads
 from kvtier.engine.store import TieredStore
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.layout import PageLayout, detect
 from kvtier.integrations.vllm.metadata import KVTierMetadata, LoadJob, SaveJob
 from kvtier.integrations.vllm.metrics import ConnectorMetrics
-from kvtier.integrations.vllm.settings import Settings
+from kvtier.integrations.vllm.settings import Settings, cpu_list, io_thread_cpus
 from kvtier.keys import ChunkKey
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ class KVTierWorker:
         layers = [kv_caches[n] for n in self.layer_names]
         self.layout = detect(layers, self.num_blocks, expected=self.settings.kv_layout)
         self.page = f"{backend}/{self.layout.describe()}"
+        self._place_threads()
         if self.layout.device.type != "cpu":
             from kvtier.integrations.vllm.transfer import DevicePath
 
@@ -231,6 +233,21 @@ class KVTierWorker:
         with self._lock:
             flight.read_done = True
         self._arrived.set()
+
+    def _place_threads(self) -> None:
+        """Move kvtier's threads of this process off the engine's compute
+        pin (``io_cpus``): on vLLM's CPU backend in multiprocess mode every
+        worker thread is pinned to its OpenMP core, and cold reads ran on that
+        one core at half the speed they reach in one process (measured,
+        docs/benchmarks.md)."""
+        cpus = io_thread_cpus(self.settings.io_cpus, self.layout.device.type == "cpu")
+        if cpus is None:
+            return
+        inherited = os.sched_getaffinity(0)
+        place_io_threads(cpus)
+        if set(cpus) != inherited:
+            log.info("kvtier: I/O threads run on CPUs %s (this worker's thread is pinned to %s)",
+                     cpu_list(cpus), cpu_list(inherited))
 
     def get_finished(self, finished_req_ids: set[str], idle: bool = False) -> tuple[set[str] | None, set[str] | None]:
         """Copy the chunks that arrived since the last step into their engine

@@ -178,3 +178,33 @@ def test_a_shard_is_assembled_from_shards_another_tp_size_wrote(tmp_path):
     finally:
         for w, _ in writers + [(reader, rcaches)]:
             w.close()
+
+
+@pytest.mark.parametrize("value, expect", [
+    ("auto", "auto"), ("Inherit", "inherit"), ("0", frozenset({0})), ([0], frozenset({0})), ("0-0", frozenset({0})),
+])
+def test_io_cpus_setting(value, expect):
+    from kvtier.integrations.vllm.settings import parse_io_cpus
+
+    assert parse_io_cpus(value) == expect
+
+
+@pytest.mark.parametrize("value", ["", "fast", "3-1", "-1", "0,x", [None], "100000"])
+def test_a_bad_io_cpus_setting_names_the_key_and_the_fix(value):
+    from kvtier.errors import ConfigError
+    from kvtier.integrations.vllm.settings import parse_io_cpus
+
+    with pytest.raises(ConfigError, match="io_cpus.*(write|name CPUs)"):
+        parse_io_cpus(value)
+
+
+def test_io_threads_leave_the_engines_pin_on_the_cpu_backend_only():
+    import os
+
+    from kvtier.integrations.vllm.settings import io_thread_cpus
+
+    engine = frozenset(os.sched_getaffinity(os.getppid()))
+    assert io_thread_cpus("auto", kv_on_cpu=True) == engine
+    assert io_thread_cpus("auto", kv_on_cpu=False) is None  # a GPU worker keeps its NUMA binding
+    assert io_thread_cpus("inherit", kv_on_cpu=True) is None
+    assert io_thread_cpus(frozenset({0}), kv_on_cpu=False) == {0}
