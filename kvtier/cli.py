@@ -126,6 +126,7 @@ def cmd_bench_resume(args: argparse.Namespace) -> int:
         sessions=args.sessions, configs=tuple(args.configs), dummy_weights=not args.checkpoint, dtype=args.dtype,
         chat=chat,
         instances=args.instances, repeats=args.repeats, fio=not args.no_fio, vocab=args.vocab, seed=args.seed,
+        throttle_bps=args.throttle,
     )
     if args.endpoint:
         summary = resume.run_endpoints(cfg, args.endpoint, args.routing, args.label,
@@ -373,7 +374,9 @@ def build_parser() -> argparse.ArgumentParser:
             "      own local disk tier vs all sharing the shared tier\n"
             "  w0  zero hits: distinct prompts only; kvtier's overhead against no connector\n\n"
             "configurations: recompute, prefix-cache, kvtier-memory, kvtier-disk, kvtier-shared (cold\n"
-            "reads), example (vLLM's ExampleConnector, cold reads), kvtier-local-disk (w3)\n\n"
+            "reads), example (vLLM's ExampleConnector, cold reads), kvtier-local-disk (w3),\n"
+            "kvtier-throttled (the shared tier on a FUSE mount read at --throttle bytes/s: slower than\n"
+            "prefill; its TTFT p50 is held against recompute's)\n\n"
             "writes DIR/report/{results.json, report.md, requests.jsonl, ttft_cdf.png, speedup.png, hits.png}"
         ),
     )
@@ -411,6 +414,9 @@ def build_parser() -> argparse.ArgumentParser:
     br.add_argument("--seed", type=int, default=0, help="seed of the workload's token ids, lengths, times and routing (default 0)")
     br.add_argument("--checkpoint", action="store_true", help="random-init checkpoint instead of dummy weights")
     br.add_argument("--no-fio", action="store_true", help="w1: skip the fio floor measurement")
+    br.add_argument("--throttle", type=_size, default=1_000_000,
+                    help="kvtier-throttled: the FUSE mount's read rate in bytes per second (default 1MB: below "
+                         "the prefill rate of every host measured; needs /dev/fuse and fuse3)")
     br.add_argument("--json", help="also write the summary to this JSON file")
     br.add_argument("--no-progress", action="store_true", help="no progress bars")
     br.set_defaults(func=cmd_bench_resume)

@@ -13,6 +13,10 @@ configurations at once (they would share the cores):
                        its files are dropped from the page cache like the shared tier's
     kvtier-local-disk  W3 only: each instance has a disk tier of its own (the
                        "one local NVMe per server" baseline)
+    kvtier-throttled   kvtier, shared tier on a FUSE mount (faultfs) whose reads
+                       are held to --throttle bytes/s: storage slower than the
+                       engine's prefill; compared with recompute (a hit must
+                       never be slower than recomputing it)
     lmcache            LMCache's vLLM connector, CPU backend    } CUDA hosts only;
     vllm-offloading    vLLM's OffloadingConnector, host memory  } written, not yet
                                                                   run (no GPU here)
@@ -35,6 +39,7 @@ storage's sequential read bandwidth, measured by fio in the same run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -54,7 +59,7 @@ from kvtier.bench.tinymodels import PRESETS, build_checkpoint, build_config_only
 CONFIGS = ("recompute", "prefix-cache", "kvtier-memory", "kvtier-disk", "kvtier-shared", "example")
 W3_CONFIGS = ("recompute", "kvtier-local-disk", "kvtier-shared")
 W0_CONFIGS = ("prefix-cache", "kvtier-shared")
-ALL_CONFIGS = CONFIGS + ("kvtier-local-disk",)
+ALL_CONFIGS = CONFIGS + ("kvtier-local-disk", "kvtier-throttled")
 WORKLOADS = ("w1", "w2", "w3", "w0")
 BLOCK = 128
 CHUNK = 256
@@ -120,6 +125,7 @@ class ResumeConfig:
     fio: bool = True
     vocab: int | None = None               # token ids drawn below this (default: the model preset's)
     engine_timeout_s: float = 3600
+    throttle_bps: float = 1e6              # kvtier-throttled: the mount's read rate, bytes per second
 
     def config_names(self) -> tuple[str, ...]:
         if self.configs:
@@ -177,6 +183,7 @@ def _spec(cfg: ResumeConfig, name: str, label: str, workload: wl.Workload, model
         "kvtier-disk": [{"kind": "disk", "path": str(store), "capacity": "32GiB"}],
         "kvtier-local-disk": [{"kind": "disk", "path": str(store / f"instance-{instance}"), "capacity": "32GiB"}],
         "kvtier-shared": [{"kind": "shared", "path": str(store), "capacity": "32GiB"}],
+        "kvtier-throttled": [{"kind": "shared", "path": str(store), "capacity": "32GiB"}],
     }
     kvtier = {"chunk_tokens": CHUNK, "tiers": tiers[name]} if name in tiers else None
     if kvtier is not None and node_memory:
@@ -278,6 +285,24 @@ def _write_requests(path: Path, cfg: ResumeConfig, runs: list[dict]) -> None:
                                     "round": r["round"], "model": cfg.model, **rec}) + "\n")
 
 
+@contextlib.contextmanager
+def _throttled_mount(cfg: ResumeConfig, name: str, store: Path):
+    """For kvtier-throttled: ``store`` is a faultfs mount (of a folder beside
+    it) whose reads go at ``cfg.throttle_bps``, for as long as the engines run."""
+    if base_config(name) != "kvtier-throttled":
+        yield
+        return
+    from kvtier.bench.faultfs import mounted
+
+    source = store.with_name(store.name + "-source")
+    shutil.rmtree(source, ignore_errors=True)
+    source.mkdir(parents=True)
+    with mounted(source, store) as fs:
+        fs.set(read_bps=cfg.throttle_bps)
+        yield
+    shutil.rmtree(source, ignore_errors=True)
+
+
 def _run_config(cfg: ResumeConfig, name: str, label: str, workload: wl.Workload, model_dir: Path, rnd: int) -> dict:
     """Run ``workload`` under configuration ``name`` in its engine process(es)."""
     logs = cfg.workdir / "logs"
@@ -290,7 +315,7 @@ def _run_config(cfg: ResumeConfig, name: str, label: str, workload: wl.Workload,
     # The node's memory tier lives in tmpfs beyond this run unless removed:
     # each run gets a fresh one (its instances share it, as on one node).
     node_memory = tempfile.mkdtemp(prefix="kvtier-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, _throttled_mount(cfg, name, store):
         barrier = Path(tmp) / "barrier" if k > 1 else None
         if barrier:
             barrier.mkdir()

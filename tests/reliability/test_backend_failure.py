@@ -5,11 +5,12 @@
   Every call returns promptly, requests recompute, saves are dropped and
   counted, nothing is written beneath the dead mount point; when the data
   returns, hits resume on their own.
-- Hangs: every file-system call of the tier blocks (a gate the test holds
-  shut: a real hanging mount needs FUSE or NFS, which this machine lacks).
-  Lookups and loads return within their deadlines, the breaker then skips
-  the tier without calling it, saves never block the caller, and everything
-  recovers once the calls return.
+- Hangs: the directory is a FUSE mount (``kvtier.bench.faultfs``) that the
+  test switches to "hang": every file-system call blocks in the kernel, as
+  on a shared mount whose server went away. Lookups and loads return within
+  their deadlines, the breaker then skips the tier without calling it (the
+  mount counts the calls it held), saves never block the caller, and hits
+  resume once the mount answers again.
 
 The Redis and S3 tiers have the same cases against real servers (SIGSTOP,
 SIGKILL, restart): tests/tiers/test_redis.py and tests/tiers/test_s3.py.
@@ -17,7 +18,6 @@ SIGKILL, restart): tests/tiers/test_redis.py and tests/tiers/test_s3.py.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -25,7 +25,6 @@ import pytest
 from kvtier.config import StoreConfig, TierSpec
 from kvtier.engine.store import TieredStore
 from kvtier.metrics import Metrics
-from kvtier.tiers.files import ObjectDir
 from tests.support import DTYPE, OBJ, keys_for, memory_config, payload_for, shape_for, shared_config
 
 CHUNKS = 4
@@ -97,42 +96,20 @@ def test_a_shared_directory_that_vanishes_and_returns(small_fs, tmp_path):
         assert _request(store, new)[0] == CHUNKS
 
 
-class Hang:
-    """Every file-system call of the directory tiers blocks until ``release``."""
-
-    def __init__(self, monkeypatch):
-        self.open = threading.Event()
-        self.open.set()
-        self.blocked = 0
-        for name in ("read", "write", "exists", "unlink", "touch"):
-            real = getattr(ObjectDir, name)
-
-            def gated(*a, _real=real, **kw):
-                if not self.open.is_set():
-                    self.blocked += 1
-                    self.open.wait(60)
-                return _real(*a, **kw)
-
-            monkeypatch.setattr(ObjectDir, name, gated)
-
-    def start(self) -> None:
-        self.open.clear()
-
-    def release(self) -> None:
-        self.open.set()
-
-
 @pytest.fixture
-def hang(monkeypatch):
-    h = Hang(monkeypatch)
-    yield h
-    h.release()
+def faulty_mount(tmp_path):
+    from kvtier.bench.faultfs import mounted
+
+    (tmp_path / "src").mkdir()
+    with mounted(tmp_path / "src", tmp_path / "shared") as fs:
+        yield fs
 
 
-def test_a_hanging_shared_directory_costs_bounded_time_then_is_skipped(tmp_path, hang):
+def test_a_hanging_shared_directory_costs_bounded_time_then_is_skipped(faulty_mount):
     metrics = Metrics()
     keys, other = keys_for(800, CHUNKS), keys_for(801, CHUNKS)
-    with _store(tmp_path / "shared", metrics, cooldown=1.0, save_queue_bytes=8 * OBJ) as store:
+    hang = faulty_mount
+    with _store(hang.path, metrics, cooldown=1.0, save_queue_bytes=8 * OBJ) as store:
         shared = store.tier("shared")
         _save(store, keys)
         assert store.flush(10)
@@ -140,26 +117,27 @@ def test_a_hanging_shared_directory_costs_bounded_time_then_is_skipped(tmp_path,
         plan = store.lookup(keys)  # looked up before the hang, loaded during it
         assert plan.chunks == CHUNKS
 
-        hang.start()
+        hang.set(mode="hang")
         t0 = time.monotonic()
         assert store.load(keys, [bytearray(len(payload_for(k))) for k in keys], plan) == 0
         assert time.monotonic() - t0 < 0.5 + 0.5  # load_timeout_s + slack
         n, took = _request(store, keys)
         assert n == 0 and took < 0.3 + 0.5  # lookup_timeout_s + slack
         assert shared.breaker.state == "open"
-        calls = hang.blocked
+        calls = hang.hung()
+        assert calls > 0
         for _ in range(5):  # skipped: no call reaches the hanging backend
             n, took = _request(store, keys)
             assert n == 0 and took < 0.2  # (microseconds, but this machine is shared)
             t0 = time.monotonic()
             _save(store, other)  # never blocks the caller
             assert time.monotonic() - t0 < 0.2
-        assert hang.blocked == calls
+        assert hang.hung() == calls
         dropped = sum(metrics.value("kvtier_dropped_saves_total", tier="shared", reason=r)
                       for r in ("breaker_open", "queue_full"))
         assert dropped >= CHUNKS
 
-        hang.release()
+        hang.heal()
         time.sleep(1.1)  # the cooldown
         store.tier("memory").clear()
         deadline = time.monotonic() + 5

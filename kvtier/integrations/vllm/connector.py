@@ -77,7 +77,8 @@ class KVTierConnector(KVConnectorBase_V1):
         self._worker: KVTierWorker | None = None
         if not worker:
             view = GroupView(s, m.store, chunk_bytes)
-            self._scheduler = KVTierScheduler(s, view, m)
+            self._scheduler = KVTierScheduler(s, view, m, bytes_per_token=chunk_bytes * len(topo.shard_ranks)
+                                              / ns.chunk_tokens)
             tiers = [t.name for t in view.stores[0].tiers]
         else:
             # A rank that does not write (replicated KV, rank > 0) reads the
@@ -123,6 +124,9 @@ class KVTierConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------ worker
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker.register_kv_caches(kv_caches, backend=_backend_name(self._vllm_config, self._worker.layer_names))
+
+    def build_connector_worker_meta(self):
+        return self._worker.worker_meta() if self._worker is not None else None
 
     def get_handshake_metadata(self) -> PageHandshake | None:
         if self._worker is None or self._worker.layout is None:

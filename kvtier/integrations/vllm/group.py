@@ -98,6 +98,10 @@ class GroupView:
                     slowest[i] = max(slowest[i], rank)
         return n, [names[slowest[i]] for i in range(n)]
 
+    def slowest(self, tiers: Sequence[str]) -> str:
+        """The slowest of ``tiers`` (the deepest in the configured order)."""
+        return max(tiers, key=self._order.__getitem__)
+
     def in_host_memory(self, keys: Sequence[ChunkKey]) -> bool:
         """Every shard of every key is in the node's memory tier (a stat per
         shard on tmpfs: microseconds)."""

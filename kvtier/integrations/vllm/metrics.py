@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 
-from prometheus_client import REGISTRY, Counter, Histogram
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
 from kvtier.metrics import Metrics
 
@@ -59,6 +59,22 @@ class ConnectorMetrics:
             "kvtier_vllm_skipped_requests",
             "Requests kvtier offered no hit because they must compute their whole prompt (prompt logprobs, "
             "skip_reading_prefix_cache)", registry=registry)
+        self.recompute_decisions = Counter(
+            "kvtier_vllm_recompute_decisions",
+            "Requests whose hit kvtier claimed short, or not at all, because loading from TIER is slower than the "
+            "engine recomputes (load_decision: auto)", ["tier"], registry=registry)
+        self.recomputed_hit_tokens = Counter(
+            "kvtier_vllm_recomputed_hit_tokens",
+            "Tokens kvtier held but left to the engine to recompute, because loading them from TIER is slower",
+            ["tier"], registry=registry)
+        self.load_seconds_per_token = Gauge(
+            "kvtier_vllm_load_seconds_per_token",
+            "The scheduler's running estimate of a tier's load time per token (workers' read times)", ["tier"],
+            multiprocess_mode="mostrecent", registry=registry)
+        self.prefill_seconds_per_token = Gauge(
+            "kvtier_vllm_prefill_seconds_per_token",
+            "The scheduler's running estimate of the engine's prefill time per token (its own steps)",
+            multiprocess_mode="mostrecent", registry=registry)
         self.saved_chunks = Counter(
             "kvtier_vllm_saved_chunks", "Chunk shards gathered from the engine and handed to the store",
             registry=registry)

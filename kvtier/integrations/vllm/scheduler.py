@@ -12,6 +12,10 @@ far its KV is already in kvtier (``saved_upto``).
 Keys here are the TP group's chain; each worker names its own shard of a
 chunk from it. Lookups ask ``GroupView``, which sees every rank's tiers from
 this process: a chunk counts only when every rank's shard of it is stored.
+
+A hit is claimed only as far as loading it beats recomputing it
+(``LoadCosts``, costs.py): the engine's step times and the workers' read
+times (their ``KVTierWorkerMeta``) keep both rates current.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.engine.executor import LOAD, PriorityExecutor
+from kvtier.integrations.vllm.costs import LoadCosts
 from kvtier.integrations.vllm.group import GroupView
-from kvtier.integrations.vllm.metadata import ChunkIO, KVTierMetadata, LoadJob, SaveJob
+from kvtier.integrations.vllm.metadata import ChunkIO, KVTierMetadata, KVTierWorkerMeta, LoadJob, SaveJob
 from kvtier.integrations.vllm.metrics import ConnectorMetrics
 from kvtier.integrations.vllm.settings import Settings
 from kvtier.keys import ChunkKey, next_key, root_key
@@ -61,6 +66,10 @@ class _Req:
     sync_load: bool = False
     failed: bool = False  # a load failed, or the request is not cacheable: never claim
     skipped: bool = False  # counted once as a request that must compute its whole prompt
+    claim: tuple[tuple[int, int], int] | None = None  # ((lookup id, vLLM's hit), tokens claimed up to)
+    load_tier: str = ""  # an async load in flight: the slowest tier it reads from
+    load_tokens: int = 0  # and the tokens it loads
+    read_seconds: float | None = None  # the slowest rank's read time, once reported
 
 
 def must_compute_prompt(request) -> bool:
@@ -98,7 +107,9 @@ def _done_hit(st: "_Req | None") -> "_Hit | None":
 
 
 class KVTierScheduler:
-    def __init__(self, settings: Settings, view: GroupView, metrics: ConnectorMetrics):
+    def __init__(self, settings: Settings, view: GroupView, metrics: ConnectorMetrics, bytes_per_token: float = 0.0):
+        """``bytes_per_token``: of every shard of a chunk together (turns
+        the configured ``read_rates`` seeds into load time per token)."""
         self.settings = settings
         self.view = view
         self.metrics = metrics
@@ -109,6 +120,10 @@ class KVTierScheduler:
         self._lookups = PriorityExecutor("vllm-lookup", 2)
         self._pending_loads: list[LoadJob] = []
         self._warned_unready = False
+        d = settings.decision
+        self.costs = LoadCosts.seeded(
+            view.host_memory, self.chunk, d.prefill_tokens_per_s,
+            {tier: bytes_per_token / rate for tier, rate in d.read_rates if bytes_per_token}, d.probe_interval_s)
 
     def set_page(self, page: str) -> None:
         """The workers' page layout (their handshake, before any request):
@@ -187,16 +202,40 @@ class KVTierScheduler:
             log.warning("kvtier lookup failed for %s: %s", request.request_id, exc)
             return 0, False
         st.local_tokens = num_computed_tokens
-        if hit.tokens <= num_computed_tokens:
+        end = self._claim(st, hit, num_computed_tokens)
+        if end <= num_computed_tokens:
             return 0, False
         # Chunks in host memory are copied in within this step, before the
         # forward (a synchronous load: no extra scheduler round trip); anything
         # on disk or remote is read asynchronously while other requests run.
         # (Shards of another TP size are assembled on the loader thread.)
         st.sync_load = all(
-            t in self.view.host_memory for t in self._tiers_in(hit, num_computed_tokens, hit.tokens)
+            t in self.view.host_memory for t in self._tiers_in(hit, num_computed_tokens, end)
         ) and not any(hit.sources)
-        return hit.tokens - num_computed_tokens, not st.sync_load
+        return end - num_computed_tokens, not st.sync_load
+
+    def _claim(self, st: _Req, hit: "_Hit", lo: int) -> int:
+        """Where the claimed part of ``hit`` ends (tokens): all of it, or up
+        to the first chunk past vLLM's own hit ``lo`` whose tier loads slower
+        than the engine recomputes. Decided once per lookup answer and hit,
+        so that vLLM's repeated asks get one answer; a cut is counted."""
+        if hit.tokens <= lo or self.settings.decision.mode == "always":
+            return hit.tokens
+        ident = (id(st.lookup), lo)
+        if st.claim is not None and st.claim[0] == ident:
+            return st.claim[1]
+        starts, pos = [], 0
+        for k in hit.keys:
+            starts.append(pos)
+            pos += k.num_tokens
+        first = next(i for i, k in enumerate(hit.keys) if starts[i] + k.num_tokens > lo)
+        n, stopped = self.costs.claimable(hit.tiers[first:])
+        end = hit.tokens if first + n >= len(hit.keys) else max(lo, starts[first + n])
+        if stopped is not None and end < hit.tokens:
+            self.metrics.recompute_decisions.labels(stopped).inc()
+            self.metrics.recomputed_hit_tokens.labels(stopped).inc(hit.tokens - end)
+        st.claim = (ident, end)
+        return end
 
     def _all_in_memory(self, root: ChunkKey, tokens: list[int]) -> bool:
         if not self.view.host_memory:
@@ -318,12 +357,16 @@ class KVTierScheduler:
             chunks.append(ChunkIO(k, ids, skip=(max(start, lo) - start) // self.bs, source_tp=src))
             tiers.append(tier)
         st.loading_blocks = {b for c in chunks for b in c.block_ids[c.skip :]}
+        st.load_tier, st.load_tokens, st.read_seconds = self.view.slowest(tiers), hi - lo, None
         self._pending_loads.append(LoadJob(request.request_id, chunks, tiers, sync=st.sync_load))
 
     # ------------------------------------------------------------ per step
     def build_connector_meta(self, scheduler_output) -> KVTierMetadata:
-        meta = KVTierMetadata(loads=self._pending_loads,
-                              idle=not getattr(scheduler_output, "total_num_scheduled_tokens", 1))
+        scheduled_tokens = getattr(scheduler_output, "total_num_scheduled_tokens", 1)
+        self.costs.step(scheduled_tokens)
+        if self.costs.prefill.value is not None:
+            self.metrics.prefill_seconds_per_token.set(self.costs.prefill.value)
+        meta = KVTierMetadata(loads=self._pending_loads, idle=not scheduled_tokens)
         self._pending_loads = []
         scheduled = scheduler_output.num_scheduled_tokens
         for nr in scheduler_output.scheduled_new_reqs:
@@ -374,6 +417,12 @@ class KVTierScheduler:
         invalid = set(getattr(output, "invalid_block_ids", None) or ())
         failed_ids = set(getattr(output, "failed_recving", None) or ())
         finished = set(output.finished_recving or ())
+        timings = getattr(output, "kv_connector_worker_meta", None)
+        if isinstance(timings, KVTierWorkerMeta):
+            for rid, seconds in timings.read_seconds.items():
+                st = self._reqs.get(rid)
+                if st is not None:
+                    st.read_seconds = max(seconds, st.read_seconds or 0.0)
         for rid, st in self._reqs.items():
             if st.loading_blocks is None:
                 continue
@@ -386,6 +435,8 @@ class KVTierScheduler:
             # the step they were scheduled in.
             if not (st.sync_load or rid in finished):
                 continue
+            if not st.sync_load:
+                self._timed(st)
             bad = st.bad_blocks
             if st.load_failed or bad:
                 st.failed = True  # never claim again: vLLM would ask once more and loop
@@ -395,6 +446,16 @@ class KVTierScheduler:
                 st.saved_upto, st.tail_saved = 0, False
                 self.metrics.load_failed_blocks.inc(len(bad))
             st.loading_blocks, st.bad_blocks, st.load_failed = None, set(), False
+
+    def _timed(self, st: _Req) -> None:
+        """An asynchronous load ended: what it took teaches the cost model."""
+        if st.read_seconds is None:
+            self.costs.load_ended(st.load_tier)
+            return
+        self.costs.loaded(st.load_tier, st.read_seconds, st.load_tokens)
+        rate = self.costs.tiers.get(st.load_tier)
+        if rate is not None and rate.value is not None:
+            self.metrics.load_seconds_per_token.labels(st.load_tier).set(rate.value)
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
         st = self._reqs.pop(request.request_id, None)

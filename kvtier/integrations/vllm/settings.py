@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvtier.config import StoreConfig, TierSpec, load_config
@@ -31,7 +31,6 @@ from kvtier.keys import ChunkKey, Namespace, shard_key
 OLDEST_VLLM = (0, 30)
 NEWEST_VLLM = (0, 33)
 log = logging.getLogger(__name__)
-_OWN_KEYS = {"config", "model_fingerprint", "share_tp_sizes", "io_cpus"}
 
 
 @dataclass(frozen=True)
@@ -97,6 +96,8 @@ class Settings:
     # Where the worker's kvtier threads run: "auto", "inherit" or CPU ids
     # (parse_io_cpus; applied by the worker once it sees its KV tensors).
     io_cpus: str | frozenset[int] = "auto"
+    # How hits are weighed against recomputing them (costs.py).
+    decision: "LoadDecision" = field(default_factory=lambda: LoadDecision())
 
     def with_page(self, page: str) -> "Settings":
         """These settings with the workers' page layout in the namespace."""
@@ -130,6 +131,59 @@ class Settings:
                 spec = TierSpec(spec.kind, cfg)
             tiers.append(spec)
         return replace(self.store, tiers=tuple(tiers))
+
+
+
+@dataclass(frozen=True)
+class LoadDecision:
+    """How the scheduler weighs a hit's load against recomputing it (costs.py).
+
+    ``mode``: ``auto`` claims only what loads faster than prefill computes;
+    ``always`` claims every hit. The seeds stand in for measurements until
+    the engine has made its own: ``prefill_tokens_per_s``, and per tier name
+    ``read_rates`` in bytes per second. A tier ruled out is re-measured by
+    one request every ``probe_interval_s``."""
+
+    mode: str = "auto"
+    prefill_tokens_per_s: float | None = None
+    read_rates: tuple[tuple[str, float], ...] = ()
+    probe_interval_s: float = 30.0
+
+
+def parse_load_decision(extra: dict, tier_names: list[str]) -> LoadDecision:
+    """The decision keys of ``kv_connector_extra_config`` (removed from it)."""
+    from kvtier.config import parse_size
+
+    mode = str(extra.pop("load_decision", "auto")).strip().lower()
+    if mode not in ("auto", "always"):
+        raise ConfigError("load_decision", f"is {mode!r}", 'write "auto" (load only what beats recompute) or "always"')
+    prefill = _positive(extra.pop("prefill_tokens_per_s", None), "prefill_tokens_per_s", "tokens per second, e.g. 5000")
+    probe = _positive(extra.pop("probe_interval_s", 30.0), "probe_interval_s", "seconds, e.g. 30")
+    rates = extra.pop("read_rates", None) or {}
+    if not isinstance(rates, dict):
+        raise ConfigError("read_rates", f"expected a mapping of tier names to bytes per second, got {rates!r}",
+                          'write e.g. {"shared": "2GB"}')
+    seeds = []
+    for name, rate in rates.items():
+        if name not in tier_names:
+            raise ConfigError(f"read_rates.{name}", "names no configured tier", f"use one of: {', '.join(tier_names)}")
+        value = parse_size(rate, f"read_rates.{name}")
+        if value <= 0:
+            raise ConfigError(f"read_rates.{name}", "must be positive", 'write bytes per second, e.g. "2GB"')
+        seeds.append((str(name), float(value)))
+    return LoadDecision(mode, prefill, tuple(seeds), probe)
+
+
+def _positive(value: Any, key: str, fix: str) -> float | None:
+    if value is None:
+        return None
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(key, f"expected a number, got {value!r}", fix) from None
+    if not (x > 0) or x == float("inf"):
+        raise ConfigError(key, f"must be a positive finite number, got {value!r}", fix)
+    return x
 
 
 def _release(version: str) -> tuple[int, int] | None:
@@ -171,7 +225,10 @@ def load_settings(vllm_config: Any, kv_cache_config: Any, worker: bool) -> Setti
     fingerprint = extra.pop("model_fingerprint", None)
     extra_tp = extra.pop("share_tp_sizes", None)
     io_cpus = parse_io_cpus(extra.pop("io_cpus", "auto"))
+    decision_keys = {k: extra.pop(k) for k in ("load_decision", "prefill_tokens_per_s", "read_rates",
+                                               "probe_interval_s") if k in extra}
     store = node_memory(load_config(path, overrides=extra))
+    decision = parse_load_decision(decision_keys, [t.config.name for t in store.tiers])
 
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
@@ -212,7 +269,7 @@ def load_settings(vllm_config: Any, kv_cache_config: Any, worker: bool) -> Setti
         chunk_tokens=store.chunk_tokens,
     )
     return Settings(store, ns, block_size, len(groups[0].layer_names), kv_dtype, topology, kv_layout,
-                    awaiting_page=not worker, io_cpus=io_cpus)
+                    awaiting_page=not worker, io_cpus=io_cpus, decision=decision)
 
 
 def parse_io_cpus(value: Any) -> str | frozenset[int]:

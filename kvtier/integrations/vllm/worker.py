@@ -31,7 +31,7 @@ from kvtier.engine.executor import LOAD, STORE, PriorityExecutor, place_io_threa
 from kvtier.engine.store import TieredStore
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.layout import PageLayout, detect
-from kvtier.integrations.vllm.metadata import KVTierMetadata, LoadJob, SaveJob
+from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMeta, LoadJob, SaveJob
 from kvtier.integrations.vllm.metrics import ConnectorMetrics
 from kvtier.integrations.vllm.settings import Settings, cpu_list, io_thread_cpus
 from kvtier.keys import ChunkKey
@@ -64,6 +64,7 @@ class KVTierWorker:
         self._lock = threading.Lock()
         self._inflight: dict[str, _InFlight] = {}  # asynchronous loads not yet reported
         self._errors_to_report: set[int] = set()
+        self._read_seconds: dict[str, float] = {}  # finished loads' read times, not yet reported (engine thread)
         self._arrived = threading.Event()  # set when a chunk arrived or a load finished reading
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], backend: str = "unknown") -> None:
@@ -232,6 +233,7 @@ class KVTierWorker:
             log.warning("kvtier: load for %s failed: %s; recomputing", flight.job.req_id, exc)
         with self._lock:
             flight.read_done = True
+            flight.read_seconds = time.perf_counter() - flight.started
         self._arrived.set()
 
     def _place_threads(self) -> None:
@@ -280,12 +282,22 @@ class KVTierWorker:
             if read_done and flight.copies_done(self):
                 failed |= flight.missing_blocks()
                 finished.add(flight.job.req_id)
+                self._read_seconds[flight.job.req_id] = flight.read_seconds
         self.metrics.scatter_seconds.observe(time.perf_counter() - t0)
         with self._lock:
             for rid in finished:
                 del self._inflight[rid]
             self._errors_to_report |= failed
         return None, finished or None
+
+    def worker_meta(self) -> KVTierWorkerMeta | None:
+        """The read times of the loads reported finished since the last call
+        (engine thread, once per step): the scheduler's cost model learns
+        each tier's speed from them (costs.py)."""
+        if not self._read_seconds:
+            return None
+        meta, self._read_seconds = KVTierWorkerMeta(self._read_seconds), {}
+        return meta
 
     def _reclaimed(self, p) -> bool:
         if not p.finished():
@@ -372,6 +384,8 @@ class _InFlight:
         self.job = job
         self.arrived: list[ChunkObject] = []
         self.read_done = False
+        self.started = time.perf_counter()
+        self.read_seconds = 0.0  # from start to the loader's end, set with read_done
         self.copied = 0  # leading chunks copied into the engine
         self.broken = False  # a copy failed: nothing more is copied
         self.pending: list = []  # device copies enqueued, not yet known complete

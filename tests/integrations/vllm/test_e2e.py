@@ -141,8 +141,40 @@ def _tier_run(model: str, kind: str, after=None) -> RunDef:
 
 def _snapshot_llama_shared(c: Ctx) -> None:
     """Copy the writer's directory before anyone else touches it: the
-    corruption run damages its own copy."""
+    corruption run damages its own copy, the throttled run reads its own."""
     shutil.copytree(c.dir("llama-shared"), c.dir("llama-shared-damaged"))
+    shutil.copytree(c.dir("llama-shared"), c.dir("llama-shared-slow"))
+
+
+THROTTLE_BPS = 1_000_000  # 1 MB/s: ~1 ms per token of tiny Llama's KV, some 20x slower than it computes one
+
+
+def _mount_slow(c: Ctx) -> None:
+    """The throttled run's shared directory through faultfs, reads held to
+    THROTTLE_BPS (unmounted by ``_unmount_slow``, or at the module's end)."""
+    from contextlib import ExitStack
+
+    from kvtier.bench.faultfs import mounted
+
+    stack = c.notes["mounts"] = ExitStack()
+    fs = stack.enter_context(mounted(c.dir("llama-shared-slow"), c.dir("slow-mnt")))
+    fs.set(read_bps=THROTTLE_BPS)
+
+
+def _unmount_slow(c: Ctx) -> None:
+    c.notes.pop("mounts").close()
+
+
+def _throttled() -> RunDef:
+    """A fresh process on a shared directory that reads slower than the
+    engine computes: S@bob (a miss) lets kvtier measure prefill, A's load
+    measures the tier, and from then on kvtier leaves B and C, which it
+    holds, to the engine."""
+    return RunDef(lambda c: {
+        "model": str(c.models["llama"]),
+        "kvtier": {"tiers": [tier_spec("shared", c.dir("slow-mnt"))], "probe_interval_s": 600},
+        "phases": resume_phases([("S", "bob", 0), ("A", None, 384), ("B", None, 0), ("C", None, 0)]),
+    }, deps=("llama-shared",), before=_mount_slow, after=_unmount_slow)
 
 
 def _reader(src: str, before=None) -> RunDef:
@@ -251,6 +283,7 @@ RUNS: dict[str, RunDef] = {
     "llama-baseline": _baseline("llama"),
     "llama-reader": _reader("llama-shared"),
     "llama-damaged": _reader("llama-shared-damaged", before=_damage),
+    "llama-throttled": _throttled(),
     "llama-memory": _tier_run("llama", "memory"),
     "llama-disk": _tier_run("llama", "disk"),
     "llama-evict": _evict(),
@@ -273,7 +306,10 @@ def engine_runs(*names: str):
 
 @pytest.fixture(scope="module")
 def runs(request, engine_pool, tiny_models, tmp_path_factory) -> Runs:
-    return start_runs(RUNS, request, engine_pool, tiny_models, tmp_path_factory)
+    r = start_runs(RUNS, request, engine_pool, tiny_models, tmp_path_factory)
+    # A mount left by a failed run goes at the module's end.
+    request.addfinalizer(lambda: r.ctx.notes.get("mounts") and r.ctx.notes["mounts"].close())
+    return r
 
 
 # ------------------------------------------------------------------ checks
@@ -455,6 +491,20 @@ def test_vllm_external_hits_equal_kvtier_hit_tokens(runs, name):
     ext = run.vllm_metric("vllm:external_prefix_cache_hits")
     assert ext > 0, run.where()
     assert sum(external_hits_by_tier(run).values()) == ext, f"{run.where()}: {run.out['kvtier_metrics']}"
+
+
+@engine_runs("llama-baseline", "llama-throttled")
+def test_a_tier_slower_than_prefill_is_left_to_the_engine(runs):
+    """kvtier holds A, B and C on a shared mount that reads at 1 MB/s
+    (faultfs): the first load teaches it the tier is slower than
+    recomputing, so B and C are not claimed; every output token-exact."""
+    run = runs["llama-throttled"]
+    assert_same_output(run, runs["llama-baseline"])
+    got = {p: run.only(p)["num_cached_tokens"] for p in ("S@bob", "A", "B", "C")}
+    assert got == {"S@bob": 0, "A": 384, "B": 0, "C": 0}, f"{run.where()}: {run.out['kvtier_metrics']}"
+    assert run.kvtier_metric("kvtier_vllm_recompute_decisions_total", tier="shared") == 2, run.where()
+    assert run.kvtier_metric("kvtier_vllm_recomputed_hit_tokens_total", tier="shared") == 640 + 896, run.where()
+    assert run.kvtier_metric("kvtier_vllm_load_failed_blocks_total") == 0, run.where()
 
 
 @engine_runs("copy-b", "copy-changed", "llama-baseline")

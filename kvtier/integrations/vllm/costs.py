@@ -1,0 +1,121 @@
+"""Load or recompute: claim only the part of a hit whose load pays off.
+
+A hit on a persistent tier costs its read; recomputing the same tokens
+costs prefill. On healthy storage the read is many times cheaper, but a
+throttled or overloaded shared mount, or a remote tier across a slow link,
+can read slower than the engine computes, and then a hit would make the
+request slower than no cache at all. ``LoadCosts`` keeps both rates, as
+seconds per token, from what the engine itself does:
+
+- **prefill**: each engine step's wall time over the tokens it scheduled
+  (steps of at least a chunk of tokens: prefill work, not decode), an
+  exponentially weighted mean; seeded by ``prefill_tokens_per_s``;
+- **each tier's load**: the workers' own read time of every finished
+  asynchronous load (reported through vLLM's worker metadata, the slowest
+  rank's), over the tokens it loaded, charged to the slowest tier it read
+  from; seeded by the tier's ``expected_read_rate`` (bytes per second).
+
+``claimable`` cuts a hit before its first chunk whose tier loads slower
+than prefill computes; chunks in host memory always pay off (a memcpy).
+A rate not known yet is trusted (the first load measures it). A tier ruled
+out is tried again once ``probe_interval_s`` after its last measurement,
+one request at a time, so that a tier that recovered is used again.
+
+Threads: the scheduler thread calls everything here.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+# Weight of the newest measurement in a rate's running mean: a handful of
+# loads moves it (a tier that slowed down is noticed within a few requests).
+_ALPHA = 0.3
+
+
+@dataclass
+class Rate:
+    """Seconds per token, a running mean of measurements (None: unknown)."""
+
+    value: float | None = None
+    when: float = -math.inf  # monotonic time of the last measurement
+
+    def observe(self, seconds: float, tokens: int, now: float) -> None:
+        if tokens <= 0 or seconds < 0:
+            return
+        x = seconds / tokens
+        self.value = x if self.value is None else (1 - _ALPHA) * self.value + _ALPHA * x
+        self.when = now
+
+
+@dataclass
+class LoadCosts:
+    memory_tiers: frozenset[str]  # host memory: always worth loading
+    min_step_tokens: int  # steps with fewer scheduled tokens say nothing about prefill
+    probe_interval_s: float = 30.0
+    prefill: Rate = field(default_factory=Rate)
+    tiers: dict[str, Rate] = field(default_factory=dict)
+    clock: Callable[[], float] = time.monotonic
+    _last_step: tuple[float, int] | None = None  # (time, tokens) of the step scheduled last
+    _probing: dict[str, float] = field(default_factory=dict)  # tier -> when a probe of it was claimed
+
+    @classmethod
+    def seeded(cls, memory_tiers: Iterable[str], min_step_tokens: int, prefill_tokens_per_s: float | None,
+               tier_seconds_per_token: dict[str, float], probe_interval_s: float = 30.0) -> "LoadCosts":
+        costs = cls(frozenset(memory_tiers), min_step_tokens, probe_interval_s)
+        if prefill_tokens_per_s:
+            costs.prefill.value = 1.0 / prefill_tokens_per_s
+        for tier, spt in tier_seconds_per_token.items():
+            costs.tiers[tier] = Rate(spt, costs.clock())  # as if measured at start: probed only later
+        return costs
+
+    # ------------------------------------------------------------ measuring
+    def step(self, scheduled_tokens: int) -> None:
+        """An engine step is being scheduled with ``scheduled_tokens``; the
+        one scheduled before it has run meanwhile."""
+        now = self.clock()
+        if self._last_step is not None:
+            t, tokens = self._last_step
+            if tokens >= self.min_step_tokens:
+                self.prefill.observe(now - t, tokens, now)
+        self._last_step = (now, scheduled_tokens)
+
+    def loaded(self, tier: str, seconds: float, tokens: int) -> None:
+        """A load from ``tier`` (its slowest) read ``tokens`` in ``seconds``."""
+        self._probing.pop(tier, None)
+        if tier in self.memory_tiers:
+            return
+        self.tiers.setdefault(tier, Rate()).observe(seconds, tokens, self.clock())
+
+    def load_ended(self, tier: str) -> None:
+        """A load from ``tier`` ended without a timing (failed): a probe may go again."""
+        self._probing.pop(tier, None)
+
+    # ------------------------------------------------------------ deciding
+    def pays_off(self, tier: str) -> bool:
+        """Is loading from ``tier`` no slower than recomputing, as far as known?"""
+        if tier in self.memory_tiers:
+            return True
+        load, prefill = self.tiers.get(tier), self.prefill.value
+        return load is None or load.value is None or prefill is None or load.value <= prefill
+
+    def claimable(self, tiers: list[str]) -> tuple[int, str | None]:
+        """How many leading chunks of a hit (``tiers``: each chunk's slowest
+        tier) to claim, and the tier that stopped the claim short (None: all
+        of it). A tier ruled out long enough ago is probed: one chunk of it is
+        claimed, by one request at a time (a probe whose load never reports
+        lapses after ``probe_interval_s``)."""
+        now = self.clock()
+        for i, tier in enumerate(tiers):
+            if self.pays_off(tier):
+                continue
+            probe = self._probing.get(tier)
+            stale = now - self.tiers[tier].when >= self.probe_interval_s
+            if stale and (probe is None or now - probe >= self.probe_interval_s):
+                self._probing[tier] = now
+                return i + 1, tier if i + 1 < len(tiers) else None
+            return i, tier
+        return len(tiers), None

@@ -1,0 +1,168 @@
+"""Load or recompute (costs.py): the rates the scheduler learns and the
+claims it makes from them, with a fake clock; and the scheduler claiming a
+disk hit short once its loads are known to be slower than prefill."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+
+from kvtier.config import parse_store_config
+from kvtier.engine.store import TieredStore
+from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.costs import LoadCosts
+from kvtier.integrations.vllm.metadata import KVTierWorkerMeta
+from kvtier.integrations.vllm.settings import parse_load_decision
+from kvtier.integrations.vllm.group import GroupView
+from kvtier.integrations.vllm.metrics import connector_metrics
+from kvtier.integrations.vllm.scheduler import KVTierScheduler
+from kvtier.integrations.vllm.settings import Settings, Topology
+from tests.integrations.vllm.test_scheduler import BS, NS, TOK, Blocks, C, ask, output, request, store_chunks
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def costs(**kw) -> tuple[LoadCosts, Clock]:
+    clock = Clock()
+    c = LoadCosts(frozenset({"memory"}), min_step_tokens=256, probe_interval_s=30.0, clock=clock, **kw)
+    return c, clock
+
+
+def test_unknown_rates_claim_everything():
+    c, _ = costs()
+    assert c.claimable(["memory", "shared", "shared"]) == (3, None)
+
+
+def test_prefill_rate_comes_from_steps_of_prefill_work_only():
+    c, clock = costs()
+    c.step(1024)
+    clock.now += 2.0  # 1024 tokens in 2 s
+    c.step(4)  # a decode step...
+    clock.now += 1.0  # ...that took 1 s says nothing about prefill
+    c.step(0)
+    assert c.prefill.value == pytest.approx(2.0 / 1024)
+
+
+def test_a_tier_slower_than_prefill_cuts_the_claim_at_its_first_chunk():
+    c, clock = costs()
+    c.prefill.value = 0.001  # 1 ms per token computed
+    c.loaded("shared", seconds=2.56, tokens=256)  # 10 ms per token loaded
+    c.loaded("disk", seconds=0.0256, tokens=256)  # 0.1 ms
+    c.loaded("memory", seconds=99.0, tokens=1)  # host memory is never ruled out
+    assert c.claimable(["memory", "disk", "shared", "shared"]) == (2, "shared")
+    assert c.claimable(["disk", "disk"]) == (2, None)
+
+
+def test_a_ruled_out_tier_is_probed_by_one_request_per_interval():
+    c, clock = costs()
+    c.prefill.value = 0.001
+    c.loaded("shared", seconds=2.56, tokens=256)
+    assert c.claimable(["shared", "shared"]) == (0, "shared")
+    clock.now += 30.0
+    assert c.claimable(["shared", "shared"]) == (1, "shared")  # the probe: one chunk
+    assert c.claimable(["shared", "shared"]) == (0, "shared")  # one probe at a time
+    for _ in range(8):  # it recovered: 0.1 ms per token now, within a few loads...
+        c.loaded("shared", seconds=0.0256, tokens=256)
+    assert c.claimable(["shared", "shared"]) == (2, None)  # ...and is used again
+
+
+def test_a_probe_that_never_reports_lapses():
+    c, clock = costs()
+    c.prefill.value = 0.001
+    c.loaded("shared", seconds=2.56, tokens=256)
+    clock.now += 30.0
+    assert c.claimable(["shared"]) == (1, None)
+    clock.now += 29.0
+    assert c.claimable(["shared"]) == (0, "shared")
+    clock.now += 1.0
+    assert c.claimable(["shared"]) == (1, None)
+
+
+def test_worker_read_times_aggregate_to_the_slowest_rank():
+    a = KVTierWorkerMeta({"r1": 0.5, "r2": 0.1})
+    b = KVTierWorkerMeta({"r1": 0.2, "r3": 0.3})
+    assert a.aggregate(b).read_seconds == {"r1": 0.5, "r2": 0.1, "r3": 0.3}
+
+
+@pytest.mark.parametrize("extra, key", [
+    ({"load_decision": "sometimes"}, "load_decision"),
+    ({"prefill_tokens_per_s": 0}, "prefill_tokens_per_s"),
+    ({"prefill_tokens_per_s": "nan"}, "prefill_tokens_per_s"),
+    ({"probe_interval_s": -1}, "probe_interval_s"),
+    ({"read_rates": {"nosuch": "1GB"}}, "read_rates.nosuch"),
+    ({"read_rates": {"shared": "fast"}}, "read_rates.shared"),
+    ({"read_rates": ["shared"]}, "read_rates"),
+])
+def test_bad_decision_settings_name_the_key(extra, key):
+    with pytest.raises(ConfigError) as err:
+        parse_load_decision(dict(extra), ["memory", "shared"])
+    assert err.value.key == key
+
+
+def _disk_scheduler(path, bytes_per_token=0.0, **decision):
+    cfg = parse_store_config({"tiers": [{"kind": "disk", "path": str(path), "capacity": "64MiB"}],
+                              "chunk_tokens": C})
+    store = TieredStore(cfg)
+    settings = replace(Settings(cfg, NS, BS, 1, "float32", Topology(1, None)),
+                       decision=parse_load_decision(decision, ["disk"]))
+    return KVTierScheduler(settings, GroupView(settings, stores=[store]), connector_metrics(), bytes_per_token), store
+
+
+def _load_and_time(s, rid, seconds):
+    """Claim TOK[:20] for ``rid``, let its load run and report ``seconds`` of reading."""
+    req = request(rid, TOK[:20])
+    n, is_async = ask(s, req)
+    if n:
+        s.update_state_after_alloc(req, Blocks([10, 11, 12, 13, 14]), n)
+        s.build_connector_meta(output())
+        s.update_connector_output(SimpleNamespace(finished_recving={rid}, invalid_block_ids=set(), failed_recving=set(),
+                                                  kv_connector_worker_meta=KVTierWorkerMeta({rid: seconds})))
+    s.request_finished(req, [])
+    return n
+
+
+def test_the_scheduler_stops_claiming_a_tier_whose_loads_are_slower_than_prefill(tmp_path):
+    s, store = _disk_scheduler(tmp_path)
+    try:
+        store_chunks(s, TOK, [C, C])
+        store.flush()
+        s.costs.prefill.value = 0.001  # the engine computes a token in 1 ms
+        m = s.metrics
+        before = m.recomputed_hit_tokens.labels("disk")._value.get()
+        assert _load_and_time(s, "a", seconds=1.6) == 16  # rate unknown: claimed; 100 ms per token measured
+        assert _load_and_time(s, "b", seconds=0.001) == 0  # now left to the engine
+        assert m.recomputed_hit_tokens.labels("disk")._value.get() - before == 16
+        assert s.costs.tiers["disk"].value == pytest.approx(0.1)
+    finally:
+        s.close()
+        store.close()
+
+
+def test_always_claims_whatever_the_rates_and_a_seed_rules_out_before_any_load(tmp_path):
+    s, store = _disk_scheduler(tmp_path, load_decision="always")
+    try:
+        store_chunks(s, TOK, [C, C])
+        store.flush()
+        s.costs.prefill.value = 0.001
+        s.costs.loaded("disk", 1.6, 16)
+        assert _load_and_time(s, "a", seconds=1.6) == 16
+    finally:
+        s.close()
+        store.close()
+    # A seed: 1 byte per second from disk, the engine at 1000 tokens per second.
+    s, store = _disk_scheduler(tmp_path / "b", bytes_per_token=32, read_rates={"disk": 1}, prefill_tokens_per_s=1000)
+    try:
+        store_chunks(s, TOK, [C, C])
+        store.flush()
+        assert _load_and_time(s, "a", seconds=0.0) == 0
+    finally:
+        s.close()
+        store.close()
