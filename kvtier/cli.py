@@ -126,7 +126,7 @@ def cmd_bench_resume(args: argparse.Namespace) -> int:
         sessions=args.sessions, configs=tuple(args.configs), dummy_weights=not args.checkpoint, dtype=args.dtype,
         chat=chat,
         instances=args.instances, repeats=args.repeats, fio=not args.no_fio, vocab=args.vocab, seed=args.seed,
-        throttle_bps=args.throttle,
+        throttle_bps=args.throttle, load_decision=args.load_decision,
     )
     if args.endpoint:
         summary = resume.run_endpoints(cfg, args.endpoint, args.routing, args.label,
@@ -414,6 +414,9 @@ def build_parser() -> argparse.ArgumentParser:
     br.add_argument("--seed", type=int, default=0, help="seed of the workload's token ids, lengths, times and routing (default 0)")
     br.add_argument("--checkpoint", action="store_true", help="random-init checkpoint instead of dummy weights")
     br.add_argument("--no-fio", action="store_true", help="w1: skip the fio floor measurement")
+    br.add_argument("--load-decision", choices=("auto", "always"), default="auto",
+                    help="the connector's load_decision: auto (default) claims only hits that load faster than the "
+                         "engine recomputes them, always claims every hit (docs/vllm.md)")
     br.add_argument("--throttle", type=_size, default=1_000_000,
                     help="kvtier-throttled: the FUSE mount's read rate in bytes per second (default 1MB: below "
                          "the prefill rate of every host measured; needs /dev/fuse and fuse3)")

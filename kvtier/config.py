@@ -355,6 +355,9 @@ def parse_store_config(values: Mapping[str, Any], environ: Mapping[str, str] | N
     """``environ``: where tier secrets left empty come from (``SECRET_ENV``);
     None takes none."""
     values = dict(values)
+    # The vLLM connector's own section (integrations/vllm/settings.py reads
+    # and checks it): not a store key.
+    values.pop("vllm", None)
     raw_tiers = values.get("tiers") or []
     if isinstance(raw_tiers, (str, Mapping)):
         raw_tiers = [raw_tiers]

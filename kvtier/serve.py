@@ -101,8 +101,11 @@ class ServeCommand:
 def connector_extra(config_path: str | None, inline: bool, environ: dict[str, str]) -> dict:
     """``kv_connector_extra_config`` for the config file (or ``KVTIER_CONFIG``),
     after checking that file plus ``KVTIER_*`` parse into a valid StoreConfig."""
+    from kvtier.integrations.vllm.settings import connector_section, parse_connector_keys
+
     path = config_path or environ.get("KVTIER_CONFIG")
-    load_config(path, environ=environ)  # raises ConfigError naming the key and the fix
+    cfg = load_config(path, environ=environ)  # raises ConfigError naming the key and the fix
+    parse_connector_keys(connector_section(path, environ), [t.config.name for t in cfg.tiers])  # its vllm: section too
     if not path:
         return {}  # KVTIER_* variables only: the engine reads them from its environment
     if not inline:

@@ -126,6 +126,7 @@ class ResumeConfig:
     vocab: int | None = None               # token ids drawn below this (default: the model preset's)
     engine_timeout_s: float = 3600
     throttle_bps: float = 1e6              # kvtier-throttled: the mount's read rate, bytes per second
+    load_decision: str = "auto"            # the connector's load_decision (docs/vllm.md)
 
     def config_names(self) -> tuple[str, ...]:
         if self.configs:
@@ -185,7 +186,8 @@ def _spec(cfg: ResumeConfig, name: str, label: str, workload: wl.Workload, model
         "kvtier-shared": [{"kind": "shared", "path": str(store), "capacity": "32GiB"}],
         "kvtier-throttled": [{"kind": "shared", "path": str(store), "capacity": "32GiB"}],
     }
-    kvtier = {"chunk_tokens": CHUNK, "tiers": tiers[name]} if name in tiers else None
+    kvtier = ({"chunk_tokens": CHUNK, "tiers": tiers[name], "load_decision": cfg.load_decision}
+              if name in tiers else None)
     if kvtier is not None and node_memory:
         kvtier["node_memory_dir"] = node_memory  # this run's node memory, shared by its instances
     cold: dict = {}

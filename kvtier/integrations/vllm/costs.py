@@ -9,7 +9,10 @@ seconds per token, from what the engine itself does:
 
 - **prefill**: each engine step's wall time over the tokens it scheduled
   (steps of at least a chunk of tokens: prefill work, not decode), an
-  exponentially weighted mean; seeded by ``prefill_tokens_per_s``;
+  exponentially weighted mean; seeded by ``prefill_tokens_per_s``. A step
+  runs from when the scheduler built it (or, when vLLM schedules ahead,
+  from the end of the step before it) to when its output came back, so
+  the engine's idle time between requests never counts as prefill;
 - **each tier's load**: the workers' own read time of every finished
   asynchronous load (reported through vLLM's worker metadata, the slowest
   rank's), over the tokens it loaded, charged to the slowest tier it read
@@ -26,6 +29,7 @@ Threads: the scheduler thread calls everything here.
 
 from __future__ import annotations
 
+import collections
 import math
 import time
 from dataclasses import dataclass, field
@@ -59,7 +63,9 @@ class LoadCosts:
     prefill: Rate = field(default_factory=Rate)
     tiers: dict[str, Rate] = field(default_factory=dict)
     clock: Callable[[], float] = time.monotonic
-    _last_step: tuple[float, int] | None = None  # (time, tokens) of the step scheduled last
+    # Steps scheduled whose output has not come back: (when built, tokens).
+    _steps: collections.deque = field(default_factory=lambda: collections.deque(maxlen=8))
+    _last_done: float = -math.inf  # when the last step's output came back
     _probing: dict[str, float] = field(default_factory=dict)  # tier -> when a probe of it was claimed
 
     @classmethod
@@ -73,15 +79,19 @@ class LoadCosts:
         return costs
 
     # ------------------------------------------------------------ measuring
-    def step(self, scheduled_tokens: int) -> None:
-        """An engine step is being scheduled with ``scheduled_tokens``; the
-        one scheduled before it has run meanwhile."""
+    def step_scheduled(self, scheduled_tokens: int) -> None:
+        """The scheduler built a step of ``scheduled_tokens``."""
+        self._steps.append((self.clock(), scheduled_tokens))
+
+    def step_done(self) -> None:
+        """The oldest step scheduled came back from the workers."""
+        if not self._steps:
+            return
         now = self.clock()
-        if self._last_step is not None:
-            t, tokens = self._last_step
-            if tokens >= self.min_step_tokens:
-                self.prefill.observe(now - t, tokens, now)
-        self._last_step = (now, scheduled_tokens)
+        built, tokens = self._steps.popleft()
+        start, self._last_done = max(built, self._last_done), now
+        if tokens >= self.min_step_tokens:
+            self.prefill.observe(now - start, tokens, now)
 
     def loaded(self, tier: str, seconds: float, tokens: int) -> None:
         """A load from ``tier`` (its slowest) read ``tokens`` in ``seconds``."""

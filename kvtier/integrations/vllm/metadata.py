@@ -48,16 +48,24 @@ class KVTierMetadata(KVConnectorMetadata):
 
 @dataclass
 class KVTierWorkerMeta(KVConnectorWorkerMetadata):
-    """Workers -> scheduler, each step: how long the asynchronous loads that
-    finished this step took to read (seconds from their start to their last
-    byte, per request). vLLM merges the ranks' metadata of one step with
-    ``aggregate``; ranks that finish in other steps send theirs then, and the
-    scheduler keeps the slowest until vLLM reports the load finished."""
+    """Workers -> scheduler, each step: the asynchronous loads that finished
+    this step, per request (seconds from its start to its reader's end,
+    tokens it brought into the engine). A load cut short (timeout, a bad
+    chunk) counts only what arrived, so a tier too slow to finish within
+    its deadline still shows its true speed. vLLM merges the ranks'
+    metadata of one step with ``aggregate`` (the slowest rank, the fewest
+    tokens); ranks that finish in other steps send theirs then, and the
+    scheduler merges those the same way until vLLM reports the load done."""
 
-    read_seconds: dict[str, float] = field(default_factory=dict)
+    reads: dict[str, tuple[float, int]] = field(default_factory=dict)
 
     def aggregate(self, other: "KVTierWorkerMeta") -> "KVTierWorkerMeta":
-        merged = dict(self.read_seconds)
-        for rid, s in other.read_seconds.items():
-            merged[rid] = max(s, merged.get(rid, 0.0))
+        merged = dict(self.reads)
+        for rid, read in other.reads.items():
+            merged[rid] = merge_reads(merged.get(rid), read)
         return KVTierWorkerMeta(merged)
+
+
+def merge_reads(a: tuple[float, int] | None, b: tuple[float, int]) -> tuple[float, int]:
+    """Two ranks' view of one load: the slowest read, the fewest tokens."""
+    return b if a is None else (max(a[0], b[0]), min(a[1], b[1]))

@@ -29,7 +29,7 @@ from typing import Any
 from kvtier.engine.executor import LOAD, PriorityExecutor
 from kvtier.integrations.vllm.costs import LoadCosts
 from kvtier.integrations.vllm.group import GroupView
-from kvtier.integrations.vllm.metadata import ChunkIO, KVTierMetadata, KVTierWorkerMeta, LoadJob, SaveJob
+from kvtier.integrations.vllm.metadata import ChunkIO, KVTierMetadata, KVTierWorkerMeta, LoadJob, SaveJob, merge_reads
 from kvtier.integrations.vllm.metrics import ConnectorMetrics
 from kvtier.integrations.vllm.settings import Settings
 from kvtier.keys import ChunkKey, next_key, root_key
@@ -68,8 +68,7 @@ class _Req:
     skipped: bool = False  # counted once as a request that must compute its whole prompt
     claim: tuple[tuple[int, int], int] | None = None  # ((lookup id, vLLM's hit), tokens claimed up to)
     load_tier: str = ""  # an async load in flight: the slowest tier it reads from
-    load_tokens: int = 0  # and the tokens it loads
-    read_seconds: float | None = None  # the slowest rank's read time, once reported
+    read: tuple[float, int] | None = None  # its (seconds, tokens loaded), over the ranks reported so far
 
 
 def must_compute_prompt(request) -> bool:
@@ -357,15 +356,13 @@ class KVTierScheduler:
             chunks.append(ChunkIO(k, ids, skip=(max(start, lo) - start) // self.bs, source_tp=src))
             tiers.append(tier)
         st.loading_blocks = {b for c in chunks for b in c.block_ids[c.skip :]}
-        st.load_tier, st.load_tokens, st.read_seconds = self.view.slowest(tiers), hi - lo, None
+        st.load_tier, st.read = self.view.slowest(tiers), None
         self._pending_loads.append(LoadJob(request.request_id, chunks, tiers, sync=st.sync_load))
 
     # ------------------------------------------------------------ per step
     def build_connector_meta(self, scheduler_output) -> KVTierMetadata:
         scheduled_tokens = getattr(scheduler_output, "total_num_scheduled_tokens", 1)
-        self.costs.step(scheduled_tokens)
-        if self.costs.prefill.value is not None:
-            self.metrics.prefill_seconds_per_token.set(self.costs.prefill.value)
+        self.costs.step_scheduled(scheduled_tokens)
         meta = KVTierMetadata(loads=self._pending_loads, idle=not scheduled_tokens)
         self._pending_loads = []
         scheduled = scheduler_output.num_scheduled_tokens
@@ -414,15 +411,18 @@ class KVTierScheduler:
             meta.saves.append(SaveJob(req.request_id, chunks))
 
     def update_connector_output(self, output) -> None:
+        self.costs.step_done()  # vLLM hands every step's output here, once
+        if self.costs.prefill.value is not None:
+            self.metrics.prefill_seconds_per_token.set(self.costs.prefill.value)
         invalid = set(getattr(output, "invalid_block_ids", None) or ())
         failed_ids = set(getattr(output, "failed_recving", None) or ())
         finished = set(output.finished_recving or ())
         timings = getattr(output, "kv_connector_worker_meta", None)
         if isinstance(timings, KVTierWorkerMeta):
-            for rid, seconds in timings.read_seconds.items():
+            for rid, read in timings.reads.items():
                 st = self._reqs.get(rid)
                 if st is not None:
-                    st.read_seconds = max(seconds, st.read_seconds or 0.0)
+                    st.read = merge_reads(st.read, read)
         for rid, st in self._reqs.items():
             if st.loading_blocks is None:
                 continue
@@ -449,10 +449,12 @@ class KVTierScheduler:
 
     def _timed(self, st: _Req) -> None:
         """An asynchronous load ended: what it took teaches the cost model."""
-        if st.read_seconds is None:
+        if st.read is None:
             self.costs.load_ended(st.load_tier)
             return
-        self.costs.loaded(st.load_tier, st.read_seconds, st.load_tokens)
+        seconds, tokens = st.read
+        # Nothing arrived in all that time: as slow as one token per ``seconds``.
+        self.costs.loaded(st.load_tier, seconds, max(tokens, 1))
         rate = self.costs.tiers.get(st.load_tier)
         if rate is not None and rate.value is not None:
             self.metrics.load_seconds_per_token.labels(st.load_tier).set(rate.value)

@@ -150,6 +150,46 @@ class LoadDecision:
     probe_interval_s: float = 30.0
 
 
+# The vLLM connector's own keys (not the store's): inline in
+# kv_connector_extra_config, or in the config file's ``vllm:`` section.
+SECTION = "vllm"
+CONNECTOR_KEYS = ("model_fingerprint", "share_tp_sizes", "io_cpus", "load_decision", "prefill_tokens_per_s",
+                  "read_rates", "probe_interval_s")
+
+
+@dataclass(frozen=True)
+class ConnectorKeys:
+    model_fingerprint: str | None = None
+    share_tp_sizes: Any = None
+    io_cpus: str | frozenset[int] = "auto"
+    decision: LoadDecision = field(default_factory=LoadDecision)
+
+
+def connector_section(path: str | None, environ=os.environ) -> dict:
+    """The ``vllm:`` section of the config file (``path``, else ``KVTIER_CONFIG``)."""
+    from kvtier.config import load_file
+
+    path = path or environ.get("KVTIER_CONFIG")
+    if not path:
+        return {}
+    section = load_file(path).get(SECTION) or {}
+    if not isinstance(section, dict):
+        raise ConfigError(SECTION, f"expected a mapping of connector keys, got {section!r}",
+                          f"write e.g. {SECTION}: {{load_decision: auto}}")
+    return dict(section)
+
+
+def parse_connector_keys(own: dict, tier_names: list[str]) -> ConnectorKeys:
+    """Check the connector's own keys; an unknown one is named with the known ones."""
+    own = dict(own)
+    unknown = sorted(set(own) - set(CONNECTOR_KEYS))
+    if unknown:
+        raise ConfigError(f"{SECTION}.{unknown[0]}", "unknown key", f"use one of: {', '.join(CONNECTOR_KEYS)}")
+    fingerprint = own.pop("model_fingerprint", None)
+    return ConnectorKeys(None if fingerprint is None else str(fingerprint), own.pop("share_tp_sizes", None),
+                         parse_io_cpus(own.pop("io_cpus", "auto")), parse_load_decision(own, tier_names))
+
+
 def parse_load_decision(extra: dict, tier_names: list[str]) -> LoadDecision:
     """The decision keys of ``kv_connector_extra_config`` (removed from it)."""
     from kvtier.config import parse_size
@@ -222,13 +262,13 @@ def load_settings(vllm_config: Any, kv_cache_config: Any, worker: bool) -> Setti
         )
     extra = dict(ktc.kv_connector_extra_config or {})
     path = extra.pop("config", None)
-    fingerprint = extra.pop("model_fingerprint", None)
-    extra_tp = extra.pop("share_tp_sizes", None)
-    io_cpus = parse_io_cpus(extra.pop("io_cpus", "auto"))
-    decision_keys = {k: extra.pop(k) for k in ("load_decision", "prefill_tokens_per_s", "read_rates",
-                                               "probe_interval_s") if k in extra}
+    # The connector's own keys: the config file's ``vllm:`` section, then the
+    # same section inline (``kvtier serve --inline``), then top-level inline keys.
+    own = {**connector_section(path), **(extra.pop(SECTION, None) or {}),
+           **{k: extra.pop(k) for k in CONNECTOR_KEYS if k in extra}}
     store = node_memory(load_config(path, overrides=extra))
-    decision = parse_load_decision(decision_keys, [t.config.name for t in store.tiers])
+    keys = parse_connector_keys(own, [t.config.name for t in store.tiers])
+    fingerprint, extra_tp, io_cpus, decision = keys.model_fingerprint, keys.share_tp_sizes, keys.io_cpus, keys.decision
 
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:

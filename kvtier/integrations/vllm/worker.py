@@ -64,7 +64,7 @@ class KVTierWorker:
         self._lock = threading.Lock()
         self._inflight: dict[str, _InFlight] = {}  # asynchronous loads not yet reported
         self._errors_to_report: set[int] = set()
-        self._read_seconds: dict[str, float] = {}  # finished loads' read times, not yet reported (engine thread)
+        self._reads: dict[str, tuple[float, int]] = {}  # finished loads (seconds, tokens), not yet reported (engine thread)
         self._arrived = threading.Event()  # set when a chunk arrived or a load finished reading
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], backend: str = "unknown") -> None:
@@ -282,7 +282,7 @@ class KVTierWorker:
             if read_done and flight.copies_done(self):
                 failed |= flight.missing_blocks()
                 finished.add(flight.job.req_id)
-                self._read_seconds[flight.job.req_id] = flight.read_seconds
+                self._reads[flight.job.req_id] = (flight.read_seconds, flight.loaded_tokens(self.settings.block_size))
         self.metrics.scatter_seconds.observe(time.perf_counter() - t0)
         with self._lock:
             for rid in finished:
@@ -294,9 +294,9 @@ class KVTierWorker:
         """The read times of the loads reported finished since the last call
         (engine thread, once per step): the scheduler's cost model learns
         each tier's speed from them (costs.py)."""
-        if not self._read_seconds:
+        if not self._reads:
             return None
-        meta, self._read_seconds = KVTierWorkerMeta(self._read_seconds), {}
+        meta, self._reads = KVTierWorkerMeta(self._reads), {}
         return meta
 
     def _reclaimed(self, p) -> bool:
@@ -418,6 +418,10 @@ class _InFlight:
         while self.pending and self.pending[0].finished():
             worker.device.release(self.pending.pop(0))
         return not self.pending
+
+    def loaded_tokens(self, block_size: int) -> int:
+        """Tokens this load brought into the engine (chunks copied in)."""
+        return sum(len(c.block_ids) - c.skip for c in self.job.chunks[:self.copied]) * block_size
 
     def missing_blocks(self) -> set[int]:
         """Blocks of the chunks that were not copied in (vLLM recomputes them)."""

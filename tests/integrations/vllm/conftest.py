@@ -125,6 +125,13 @@ def run_engine(spec: dict, workdir: Path, name: str, *, expect_failure: bool = F
     fails (or, with ``expect_failure``, when it succeeds) or times out.
     """
     workdir.mkdir(parents=True, exist_ok=True)
+    if isinstance(spec.get("kvtier"), dict) and "load_decision" not in spec["kvtier"]:
+        # These runs check which bytes come back and how many tokens hit; with
+        # tiny models a tier loads a token about as fast as the engine computes
+        # it, so under load_decision auto the hits would depend on timing.
+        # The decision has tests of its own (test_costs.py, and a run on a
+        # throttled mount that sets auto).
+        spec = {**spec, "kvtier": {**spec["kvtier"], "load_decision": "always"}}
     spec_path = workdir / f"{name}.spec.json"
     out_path = workdir / f"{name}.out.json"
     log_path = workdir / f"{name}.log"

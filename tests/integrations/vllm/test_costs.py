@@ -43,12 +43,25 @@ def test_unknown_rates_claim_everything():
 
 def test_prefill_rate_comes_from_steps_of_prefill_work_only():
     c, clock = costs()
-    c.step(1024)
+    c.step_scheduled(1024)
     clock.now += 2.0  # 1024 tokens in 2 s
-    c.step(4)  # a decode step...
+    c.step_done()
+    clock.now += 5.0  # the engine idles between requests: not prefill
+    c.step_scheduled(4)  # a decode step...
     clock.now += 1.0  # ...that took 1 s says nothing about prefill
-    c.step(0)
+    c.step_done()
     assert c.prefill.value == pytest.approx(2.0 / 1024)
+
+
+def test_a_step_scheduled_ahead_starts_when_the_one_before_it_ends():
+    c, clock = costs()
+    c.step_scheduled(512)  # vLLM's async scheduling: two steps in flight
+    c.step_scheduled(512)
+    clock.now += 1.0
+    c.step_done()  # the first: 1 s
+    clock.now += 1.0
+    c.step_done()  # the second ran after it: 1 s, not 2
+    assert c.prefill.value == pytest.approx(1.0 / 512)
 
 
 def test_a_tier_slower_than_prefill_cuts_the_claim_at_its_first_chunk():
@@ -86,10 +99,10 @@ def test_a_probe_that_never_reports_lapses():
     assert c.claimable(["shared"]) == (1, None)
 
 
-def test_worker_read_times_aggregate_to_the_slowest_rank():
-    a = KVTierWorkerMeta({"r1": 0.5, "r2": 0.1})
-    b = KVTierWorkerMeta({"r1": 0.2, "r3": 0.3})
-    assert a.aggregate(b).read_seconds == {"r1": 0.5, "r2": 0.1, "r3": 0.3}
+def test_worker_reads_aggregate_to_the_slowest_rank_and_the_fewest_tokens():
+    a = KVTierWorkerMeta({"r1": (0.5, 256), "r2": (0.1, 512)})
+    b = KVTierWorkerMeta({"r1": (0.2, 128), "r3": (0.3, 256)})
+    assert a.aggregate(b).reads == {"r1": (0.5, 128), "r2": (0.1, 512), "r3": (0.3, 256)}
 
 
 @pytest.mark.parametrize("extra, key", [
@@ -116,15 +129,17 @@ def _disk_scheduler(path, bytes_per_token=0.0, **decision):
     return KVTierScheduler(settings, GroupView(settings, stores=[store]), connector_metrics(), bytes_per_token), store
 
 
-def _load_and_time(s, rid, seconds):
-    """Claim TOK[:20] for ``rid``, let its load run and report ``seconds`` of reading."""
+def _load_and_time(s, rid, seconds, loaded=None):
+    """Claim TOK[:20] for ``rid``, let its load run and report ``seconds`` of
+    reading that brought ``loaded`` tokens in (default: all it claimed)."""
     req = request(rid, TOK[:20])
     n, is_async = ask(s, req)
     if n:
         s.update_state_after_alloc(req, Blocks([10, 11, 12, 13, 14]), n)
         s.build_connector_meta(output())
         s.update_connector_output(SimpleNamespace(finished_recving={rid}, invalid_block_ids=set(), failed_recving=set(),
-                                                  kv_connector_worker_meta=KVTierWorkerMeta({rid: seconds})))
+                                                  kv_connector_worker_meta=KVTierWorkerMeta(
+                                                      {rid: (seconds, n if loaded is None else loaded)})))
     s.request_finished(req, [])
     return n
 
@@ -141,6 +156,23 @@ def test_the_scheduler_stops_claiming_a_tier_whose_loads_are_slower_than_prefill
         assert _load_and_time(s, "b", seconds=0.001) == 0  # now left to the engine
         assert m.recomputed_hit_tokens.labels("disk")._value.get() - before == 16
         assert s.costs.tiers["disk"].value == pytest.approx(0.1)
+    finally:
+        s.close()
+        store.close()
+
+
+def test_a_load_cut_short_counts_only_what_arrived(tmp_path):
+    """A tier so slow that the load ran into its deadline with one chunk of
+    two in: 1 s for 8 tokens is slower than prefill, although 1 s for the 16
+    claimed would not be."""
+    s, store = _disk_scheduler(tmp_path)
+    try:
+        store_chunks(s, TOK, [C, C])
+        store.flush()
+        s.costs.prefill.value = 0.1
+        assert _load_and_time(s, "a", seconds=1.0, loaded=8) == 16
+        assert s.costs.tiers["disk"].value == pytest.approx(1.0 / 8)
+        assert _load_and_time(s, "b", seconds=0.0) == 0
     finally:
         s.close()
         store.close()
@@ -166,3 +198,19 @@ def test_always_claims_whatever_the_rates_and_a_seed_rules_out_before_any_load(t
     finally:
         s.close()
         store.close()
+
+
+def test_connector_keys_come_from_the_config_files_vllm_section(tmp_path):
+    from kvtier.config import load_config
+    from kvtier.integrations.vllm.settings import connector_section, parse_connector_keys
+
+    path = tmp_path / "kvtier.yaml"
+    path.write_text("tiers: [{kind: shared, path: %s, capacity: 1GiB}]\n"
+                    "vllm: {load_decision: always, read_rates: {shared: 2GB}, io_cpus: '0'}\n" % (tmp_path / "s"))
+    cfg = load_config(path, environ={})  # the store's keys: the section is not one of them
+    keys = parse_connector_keys(connector_section(str(path), {}), [t.config.name for t in cfg.tiers])
+    assert keys.decision.mode == "always" and keys.decision.read_rates == (("shared", 2e9),)
+    assert keys.io_cpus == {0}
+    with pytest.raises(ConfigError) as err:
+        parse_connector_keys({"load_decison": "auto"}, ["shared"])
+    assert err.value.key == "vllm.load_decison" and "load_decision" in err.value.fix

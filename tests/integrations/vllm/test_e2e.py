@@ -172,7 +172,7 @@ def _throttled() -> RunDef:
     holds, to the engine."""
     return RunDef(lambda c: {
         "model": str(c.models["llama"]),
-        "kvtier": {"tiers": [tier_spec("shared", c.dir("slow-mnt"))], "probe_interval_s": 600},
+        "kvtier": {"tiers": [tier_spec("shared", c.dir("slow-mnt"))], "load_decision": "auto", "probe_interval_s": 600},
         "phases": resume_phases([("S", "bob", 0), ("A", None, 384), ("B", None, 0), ("C", None, 0)]),
     }, deps=("llama-shared",), before=_mount_slow, after=_unmount_slow)
 
