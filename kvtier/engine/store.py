@@ -94,15 +94,16 @@ class TieredStore:
         return self._by_name[name]
 
     # ------------------------------------------------------------ lookup
-    def lookup(self, keys: Sequence[ChunkKey]) -> Lookup:
-        """Longest contiguous prefix over all tiers.
+    def lookup(self, keys: Sequence[ChunkKey], skip: frozenset[str] = frozenset()) -> Lookup:
+        """Longest contiguous prefix over all tiers but those named in ``skip``.
 
         Each step asks the tiers, fastest first, for the run starting at the
         current position and takes the first non-empty answer.
         """
         pos, segments = 0, []
+        tiers = [t for t in self.tiers if t.name not in skip]
         while pos < len(keys):
-            for tier in self.tiers:
+            for tier in tiers:
                 n = tier.lookup(keys[pos:], self.config.lookup_timeout_s)
                 if n:
                     segments.append(Segment(tier.name, pos, pos + n))

@@ -21,8 +21,9 @@ seconds per token, from what the engine itself does:
 ``claimable`` cuts a hit before its first chunk whose tier loads slower
 than prefill computes; chunks in host memory always pay off (a memcpy).
 A rate not known yet is trusted (the first load measures it). A tier ruled
-out is tried again once ``probe_interval_s`` after its last measurement,
-one request at a time, so that a tier that recovered is used again.
+out is re-measured ``probe_interval_s`` after its last measurement: the
+scheduler reads one chunk of it in the background (no request waits on
+it), so that a tier that recovered is used again.
 
 Threads: the scheduler thread calls everything here.
 """
@@ -112,20 +113,34 @@ class LoadCosts:
         load, prefill = self.tiers.get(tier), self.prefill.value
         return load is None or load.value is None or prefill is None or load.value <= prefill
 
+    def ruled_out(self) -> frozenset[str]:
+        """Tiers not worth asking now: slower than prefill, and no probe of
+        them due. A lookup there would only wait on a slow server (a stat
+        queues behind its reads) for a hit kvtier would not claim."""
+        now = self.clock()
+        return frozenset(t for t, rate in self.tiers.items()
+                         if not self.pays_off(t) and not self._probe_due(t, now))
+
+    def _probe_due(self, tier: str, now: float) -> bool:
+        probe = self._probing.get(tier)
+        return (now - self.tiers[tier].when >= self.probe_interval_s
+                and (probe is None or now - probe >= self.probe_interval_s))
+
     def claimable(self, tiers: list[str]) -> tuple[int, str | None]:
         """How many leading chunks of a hit (``tiers``: each chunk's slowest
         tier) to claim, and the tier that stopped the claim short (None: all
-        of it). A tier ruled out long enough ago is probed: one chunk of it is
-        claimed, by one request at a time (a probe whose load never reports
-        lapses after ``probe_interval_s``)."""
-        now = self.clock()
+        of it)."""
         for i, tier in enumerate(tiers):
-            if self.pays_off(tier):
-                continue
-            probe = self._probing.get(tier)
-            stale = now - self.tiers[tier].when >= self.probe_interval_s
-            if stale and (probe is None or now - probe >= self.probe_interval_s):
-                self._probing[tier] = now
-                return i + 1, tier if i + 1 < len(tiers) else None
-            return i, tier
+            if not self.pays_off(tier):
+                return i, tier
         return len(tiers), None
+
+    def start_probe(self, tier: str) -> bool:
+        """Whether to re-measure ``tier`` now (one probe at a time, each
+        ``probe_interval_s`` after the last measurement; a probe that never
+        reports lapses after as long). True marks it started."""
+        now = self.clock()
+        if tier not in self.tiers or not self._probe_due(tier, now):
+            return False
+        self._probing[tier] = now
+        return True

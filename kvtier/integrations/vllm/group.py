@@ -64,23 +64,24 @@ class GroupView:
         self.host_memory = {t.name for t in first.tiers if t.host_memory}
         self.kinds = {t.name: t.kind for t in first.tiers}
 
-    def lookup(self, keys: Sequence[ChunkKey]) -> GroupHit:
+    def lookup(self, keys: Sequence[ChunkKey], skip: frozenset[str] = frozenset()) -> GroupHit:
         """Leading chunks of ``keys`` (the group's chain) whose every shard
         is stored, at this engine's TP size or, where those stop, at another
-        one whose shards this engine can assemble its own from."""
-        n, tiers = self._prefix(self.stores, list(self.topology.shard_ranks), None, keys)
+        one whose shards this engine can assemble its own from. Tiers named
+        in ``skip`` are not asked."""
+        n, tiers = self._prefix(self.stores, list(self.topology.shard_ranks), None, keys, skip)
         sources = [0] * n
         for m in self.topology.other_tp_sizes:
             if n >= len(keys):
                 break
-            got, more = self._prefix(self._other[m], list(range(m)), m, keys)
+            got, more = self._prefix(self._other[m], list(range(m)), m, keys, skip)
             if got > n:
                 tiers += more[n:got]
                 sources += [m] * (got - n)
                 n = got
         return GroupHit(n, tuple(tiers), tuple(sources))
 
-    def _prefix(self, stores, shards, tp_size, keys) -> tuple[int, list[str]]:
+    def _prefix(self, stores, shards, tp_size, keys, skip=frozenset()) -> tuple[int, list[str]]:
         """Leading chunks whose every shard (of ``tp_size``) is stored, each
         with the slowest tier holding one of its shards. Each shard is asked
         only for the prefix the shards before it hold."""
@@ -90,13 +91,27 @@ class GroupView:
         for shard, store in zip(shards, stores):
             if not n:
                 break
-            plan = store.lookup([self.topology.shard(k, shard, tp_size) for k in keys[:n]])
+            plan = store.lookup([self.topology.shard(k, shard, tp_size) for k in keys[:n]], skip)
             n = plan.chunks
             for seg in plan.segments:
                 rank = self._order[seg.tier]
                 for i in range(seg.start, min(seg.stop, n)):
                     slowest[i] = max(slowest[i], rank)
         return n, [names[slowest[i]] for i in range(n)]
+
+    def probe(self, tier: str, key: ChunkKey, timeout: float) -> tuple[float, int]:
+        """Read shard 0 of chunk ``key`` from ``tier`` and drop it: (seconds,
+        tokens read; 0 if it did not arrive within ``timeout``). Runs on the
+        scheduler's lookup pool, so that no request waits on a tier being
+        re-measured."""
+        import time
+
+        t0 = time.perf_counter()
+        tokens = 0
+        for obj in self.stores[0].tier(tier).fetch([self.topology.shard(key, 0)], timeout):
+            tokens += obj.header.num_tokens
+            obj.release()
+        return time.perf_counter() - t0, tokens
 
     def slowest(self, tiers: Sequence[str]) -> str:
         """The slowest of ``tiers`` (the deepest in the configured order)."""

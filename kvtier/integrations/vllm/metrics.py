@@ -61,8 +61,9 @@ class ConnectorMetrics:
             "skip_reading_prefix_cache)", registry=registry)
         self.recompute_decisions = Counter(
             "kvtier_vllm_recompute_decisions",
-            "Requests whose hit kvtier claimed short, or not at all, because loading from TIER is slower than the "
-            "engine recomputes (load_decision: auto)", ["tier"], registry=registry)
+            "Requests left to the engine, in part or whole, because loading from TIER is slower than the engine "
+            "recomputes (load_decision: auto): reason=cut (a hit claimed short), not_asked (the lookup left the "
+            "tier out)", ["tier", "reason"], registry=registry)
         self.recomputed_hit_tokens = Counter(
             "kvtier_vllm_recomputed_hit_tokens",
             "Tokens kvtier held but left to the engine to recompute, because loading them from TIER is slower",

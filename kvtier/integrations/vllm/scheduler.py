@@ -66,7 +66,7 @@ class _Req:
     sync_load: bool = False
     failed: bool = False  # a load failed, or the request is not cacheable: never claim
     skipped: bool = False  # counted once as a request that must compute its whole prompt
-    claim: tuple[tuple[int, int], int] | None = None  # ((lookup id, vLLM's hit), tokens claimed up to)
+    claim: tuple[Future, int, int] | None = None  # (lookup, vLLM's hit, tokens claimed up to): decided once
     load_tier: str = ""  # an async load in flight: the slowest tier it reads from
     read: tuple[float, int] | None = None  # its (seconds, tokens loaded), over the ranks reported so far
 
@@ -118,6 +118,7 @@ class KVTierScheduler:
         self._roots: dict[str, ChunkKey] = {}
         self._lookups = PriorityExecutor("vllm-lookup", 2)
         self._pending_loads: list[LoadJob] = []
+        self._probes: list[tuple[str, Future]] = []  # background re-measurements of slow tiers
         self._warned_unready = False
         d = settings.decision
         self.costs = LoadCosts.seeded(
@@ -184,12 +185,15 @@ class KVTierScheduler:
             tokens = list(request.all_token_ids[: request.num_tokens])
             st.lookup_usable = usable
             t0 = time.perf_counter()
+            skip = self.costs.ruled_out() if self.settings.decision.mode == "auto" else frozenset()
+            for tier in skip:
+                self.metrics.recompute_decisions.labels(tier, "not_asked").inc()
             if self._all_in_memory(st.root, tokens):
                 # Answered from host memory alone: no I/O, no reason to defer.
                 st.lookup = Future()
-                st.lookup.set_result(self._lookup(st.root, tokens, usable))
+                st.lookup.set_result(self._lookup(st.root, tokens, usable, skip))
             else:
-                st.lookup = self._lookups.submit(LOAD, self._lookup, st.root, tokens, usable)
+                st.lookup = self._lookups.submit(LOAD, self._lookup, st.root, tokens, usable, skip)
             st.lookup.add_done_callback(
                 lambda _f, t0=t0: self.metrics.lookup_seconds.observe(time.perf_counter() - t0))
         try:
@@ -220,9 +224,8 @@ class KVTierScheduler:
         so that vLLM's repeated asks get one answer; a cut is counted."""
         if hit.tokens <= lo or self.settings.decision.mode == "always":
             return hit.tokens
-        ident = (id(st.lookup), lo)
-        if st.claim is not None and st.claim[0] == ident:
-            return st.claim[1]
+        if st.claim is not None and st.claim[0] is st.lookup and st.claim[1] == lo:
+            return st.claim[2]
         starts, pos = [], 0
         for k in hit.keys:
             starts.append(pos)
@@ -231,9 +234,15 @@ class KVTierScheduler:
         n, stopped = self.costs.claimable(hit.tiers[first:])
         end = hit.tokens if first + n >= len(hit.keys) else max(lo, starts[first + n])
         if stopped is not None and end < hit.tokens:
-            self.metrics.recompute_decisions.labels(stopped).inc()
+            self.metrics.recompute_decisions.labels(stopped, "cut").inc()
             self.metrics.recomputed_hit_tokens.labels(stopped).inc(hit.tokens - end)
-        st.claim = (ident, end)
+            if self.costs.start_probe(stopped):
+                # Re-measure the tier on the lookup pool with the chunk it
+                # would have served; this request recomputes meanwhile.
+                key = hit.keys[first + n]
+                self._probes.append((stopped, self._lookups.submit(
+                    LOAD, self.view.probe, stopped, key, self.settings.store.load_timeout_s)))
+        st.claim = (st.lookup, lo, end)
         return end
 
     def _all_in_memory(self, root: ChunkKey, tokens: list[int]) -> bool:
@@ -256,9 +265,9 @@ class KVTierScheduler:
             pos += k.num_tokens
         return out
 
-    def _lookup(self, root: ChunkKey, tokens: list[int], usable: int) -> _Hit:
+    def _lookup(self, root: ChunkKey, tokens: list[int], usable: int, skip: frozenset[str] = frozenset()) -> _Hit:
         """Longest stored prefix of ``tokens`` (runs on the lookup pool), in
-        tokens, capped at ``usable``.
+        tokens, capped at ``usable``, not asking the tiers in ``skip``.
 
         Full chunks first; where they stop, a shorter chunk (whole blocks)
         may hold the rest: the partial tail an earlier, shorter prompt stored.
@@ -268,7 +277,7 @@ class KVTierScheduler:
         for start in range(0, len(tokens) // bs * bs, C):
             prev = next_key(prev, tokens[start : min(start + C, len(tokens) // bs * bs)])
             keys.append(prev)
-        plan = self.view.lookup(keys)
+        plan = self.view.lookup(keys, skip)
         hit_keys = keys[: plan.chunks]
         tiers = list(plan.tiers)
         sources = list(plan.sources) or [0] * plan.chunks
@@ -281,7 +290,7 @@ class KVTierScheduler:
                 if n == tried:
                     continue
                 k = next_key(base, tokens[start : start + n])
-                sub = self.view.lookup([k])
+                sub = self.view.lookup([k], skip)
                 if sub.chunks:
                     hit_keys.append(k)
                     tiers.append(sub.tiers[0])
@@ -410,8 +419,25 @@ class KVTierScheduler:
         if chunks:
             meta.saves.append(SaveJob(req.request_id, chunks))
 
+    def _probed(self) -> None:
+        """Feed finished background probes to the cost model (scheduler thread)."""
+        done = [(t, f) for t, f in self._probes if f.done()]
+        if not done:
+            return
+        self._probes = [(t, f) for t, f in self._probes if not f.done()]
+        for tier, fut in done:
+            if fut.cancelled() or fut.exception() is not None:
+                self.costs.load_ended(tier)
+                continue
+            seconds, tokens = fut.result()
+            self.costs.loaded(tier, seconds, max(tokens, 1))
+            rate = self.costs.tiers.get(tier)
+            if rate is not None and rate.value is not None:
+                self.metrics.load_seconds_per_token.labels(tier).set(rate.value)
+
     def update_connector_output(self, output) -> None:
         self.costs.step_done()  # vLLM hands every step's output here, once
+        self._probed()
         if self.costs.prefill.value is not None:
             self.metrics.prefill_seconds_per_token.set(self.costs.prefill.value)
         invalid = set(getattr(output, "invalid_block_ids", None) or ())

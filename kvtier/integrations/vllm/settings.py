@@ -141,8 +141,8 @@ class LoadDecision:
     ``mode``: ``auto`` claims only what loads faster than prefill computes;
     ``always`` claims every hit. The seeds stand in for measurements until
     the engine has made its own: ``prefill_tokens_per_s``, and per tier name
-    ``read_rates`` in bytes per second. A tier ruled out is re-measured by
-    one request every ``probe_interval_s``."""
+    ``read_rates`` in bytes per second. A tier ruled out is re-measured in
+    the background (one chunk read) every ``probe_interval_s``."""
 
     mode: str = "auto"
     prefill_tokens_per_s: float | None = None

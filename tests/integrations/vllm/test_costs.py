@@ -4,6 +4,7 @@ disk hit short once its loads are known to be slower than prefill."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -74,14 +75,18 @@ def test_a_tier_slower_than_prefill_cuts_the_claim_at_its_first_chunk():
     assert c.claimable(["disk", "disk"]) == (2, None)
 
 
-def test_a_ruled_out_tier_is_probed_by_one_request_per_interval():
+def test_a_ruled_out_tier_is_probed_once_per_interval_and_used_again_once_it_recovers():
     c, clock = costs()
     c.prefill.value = 0.001
     c.loaded("shared", seconds=2.56, tokens=256)
     assert c.claimable(["shared", "shared"]) == (0, "shared")
+    assert c.ruled_out() == {"shared"}
+    assert not c.start_probe("shared")  # measured just now
     clock.now += 30.0
-    assert c.claimable(["shared", "shared"]) == (1, "shared")  # the probe: one chunk
-    assert c.claimable(["shared", "shared"]) == (0, "shared")  # one probe at a time
+    assert c.ruled_out() == set()  # a probe is due: lookups ask the tier again
+    assert c.start_probe("shared")
+    assert not c.start_probe("shared")  # one probe at a time
+    assert c.ruled_out() == {"shared"}
     for _ in range(8):  # it recovered: 0.1 ms per token now, within a few loads...
         c.loaded("shared", seconds=0.0256, tokens=256)
     assert c.claimable(["shared", "shared"]) == (2, None)  # ...and is used again
@@ -92,11 +97,11 @@ def test_a_probe_that_never_reports_lapses():
     c.prefill.value = 0.001
     c.loaded("shared", seconds=2.56, tokens=256)
     clock.now += 30.0
-    assert c.claimable(["shared"]) == (1, None)
+    assert c.start_probe("shared")
     clock.now += 29.0
-    assert c.claimable(["shared"]) == (0, "shared")
+    assert not c.start_probe("shared")
     clock.now += 1.0
-    assert c.claimable(["shared"]) == (1, None)
+    assert c.start_probe("shared")
 
 
 def test_worker_reads_aggregate_to_the_slowest_rank_and_the_fewest_tokens():
@@ -150,12 +155,35 @@ def test_the_scheduler_stops_claiming_a_tier_whose_loads_are_slower_than_prefill
         store_chunks(s, TOK, [C, C])
         store.flush()
         s.costs.prefill.value = 0.001  # the engine computes a token in 1 ms
-        m = s.metrics
-        before = m.recomputed_hit_tokens.labels("disk")._value.get()
+        decisions = s.metrics.recompute_decisions
+        before = decisions.labels("disk", "not_asked")._value.get()
         assert _load_and_time(s, "a", seconds=1.6) == 16  # rate unknown: claimed; 100 ms per token measured
-        assert _load_and_time(s, "b", seconds=0.001) == 0  # now left to the engine
-        assert m.recomputed_hit_tokens.labels("disk")._value.get() - before == 16
         assert s.costs.tiers["disk"].value == pytest.approx(0.1)
+        assert s.costs.ruled_out() == {"disk"}
+        assert _load_and_time(s, "b", seconds=0.001) == 0  # now left to the engine, the tier not even asked
+        assert decisions.labels("disk", "not_asked")._value.get() - before == 1
+    finally:
+        s.close()
+        store.close()
+
+
+def test_a_probe_reads_in_the_background_while_the_request_recomputes(tmp_path):
+    s, store = _disk_scheduler(tmp_path, probe_interval_s=0.05)
+    try:
+        store_chunks(s, TOK, [C, C])
+        store.flush()
+        s.costs.prefill.value = 0.001
+        assert _load_and_time(s, "a", seconds=1.6) == 16  # 100 ms per token: ruled out
+        time.sleep(0.06)  # a probe is due: the lookup asks the tier, the claim is cut, the probe starts
+        cut = s.metrics.recomputed_hit_tokens.labels("disk")
+        before = cut._value.get()
+        assert _load_and_time(s, "b", seconds=0.0) == 0
+        assert cut._value.get() - before == 16
+        (tier, fut), = s._probes
+        assert tier == "disk" and fut.result(5)[1] == C  # shard 0 of the first chunk, read for real
+        s.update_connector_output(SimpleNamespace(finished_recving=None, invalid_block_ids=set(), failed_recving=set()))
+        assert s.costs.tiers["disk"].value < 0.1  # the fast read pulled the estimate down
+        assert not s._probes
     finally:
         s.close()
         store.close()

@@ -497,13 +497,14 @@ def test_vllm_external_hits_equal_kvtier_hit_tokens(runs, name):
 def test_a_tier_slower_than_prefill_is_left_to_the_engine(runs):
     """kvtier holds A, B and C on a shared mount that reads at 1 MB/s
     (faultfs): the first load teaches it the tier is slower than
-    recomputing, so B and C are not claimed; every output token-exact."""
+    recomputing, so B and C are left to the engine; every output token-exact."""
     run = runs["llama-throttled"]
     assert_same_output(run, runs["llama-baseline"])
     got = {p: run.only(p)["num_cached_tokens"] for p in ("S@bob", "A", "B", "C")}
     assert got == {"S@bob": 0, "A": 384, "B": 0, "C": 0}, f"{run.where()}: {run.out['kvtier_metrics']}"
-    assert run.kvtier_metric("kvtier_vllm_recompute_decisions_total", tier="shared") == 2, run.where()
-    assert run.kvtier_metric("kvtier_vllm_recomputed_hit_tokens_total", tier="shared") == 640 + 896, run.where()
+    # B and C: the tier, known to be slower than prefill, is not even asked.
+    assert run.kvtier_metric("kvtier_vllm_recompute_decisions_total", tier="shared", reason="not_asked") == 2, (
+        f"{run.where()}: {run.out['kvtier_metrics']}")
     assert run.kvtier_metric("kvtier_vllm_load_failed_blocks_total") == 0, run.where()
 
 
