@@ -21,9 +21,10 @@ seconds per token, from what the engine itself does:
 ``claimable`` cuts a hit before its first chunk whose tier loads slower
 than prefill computes; chunks in host memory always pay off (a memcpy).
 A rate not known yet is trusted (the first load measures it). A tier ruled
-out is re-measured ``probe_interval_s`` after its last measurement: the
-scheduler reads one chunk of it in the background (no request waits on
-it), so that a tier that recovered is used again.
+out is left out of lookups and re-measured ``probe_interval_s`` after its
+last measurement: the scheduler looks up and reads one chunk of it in the
+background (no request waits on it), so that a tier that recovered is used
+again.
 
 Threads: the scheduler thread calls everything here.
 """
@@ -102,7 +103,8 @@ class LoadCosts:
         self.tiers.setdefault(tier, Rate()).observe(seconds, tokens, self.clock())
 
     def load_ended(self, tier: str) -> None:
-        """A load from ``tier`` ended without a timing (failed): a probe may go again."""
+        """A load from ``tier`` ended without a timing (failed). A probe that
+        found nothing to read does not call this: it lapses on its own."""
         self._probing.pop(tier, None)
 
     # ------------------------------------------------------------ deciding
@@ -114,12 +116,10 @@ class LoadCosts:
         return load is None or load.value is None or prefill is None or load.value <= prefill
 
     def ruled_out(self) -> frozenset[str]:
-        """Tiers not worth asking now: slower than prefill, and no probe of
-        them due. A lookup there would only wait on a slow server (a stat
-        queues behind its reads) for a hit kvtier would not claim."""
-        now = self.clock()
-        return frozenset(t for t, rate in self.tiers.items()
-                         if not self.pays_off(t) and not self._probe_due(t, now))
+        """Tiers not worth asking: slower than prefill. A lookup there would
+        only wait on a slow server (a stat queues behind its reads) for a hit
+        kvtier would not claim; ``start_probe`` re-measures them instead."""
+        return frozenset(t for t in self.tiers if not self.pays_off(t))
 
     def _probe_due(self, tier: str, now: float) -> bool:
         probe = self._probing.get(tier)

@@ -99,16 +99,20 @@ class GroupView:
                     slowest[i] = max(slowest[i], rank)
         return n, [names[slowest[i]] for i in range(n)]
 
-    def probe(self, tier: str, key: ChunkKey, timeout: float) -> tuple[float, int]:
+    def probe(self, tier: str, key: ChunkKey, lookup_timeout: float, load_timeout: float) -> tuple[float, int] | None:
         """Read shard 0 of chunk ``key`` from ``tier`` and drop it: (seconds,
-        tokens read; 0 if it did not arrive within ``timeout``). Runs on the
-        scheduler's lookup pool, so that no request waits on a tier being
-        re-measured."""
+        tokens that arrived within ``load_timeout``), or None if the tier
+        does not hold it. Runs on the scheduler's probe thread, so that no
+        request waits on a tier being re-measured."""
         import time
 
+        t = self.stores[0].tier(tier)
+        shard = self.topology.shard(key, 0)
+        if not t.lookup([shard], lookup_timeout):
+            return None
         t0 = time.perf_counter()
         tokens = 0
-        for obj in self.stores[0].tier(tier).fetch([self.topology.shard(key, 0)], timeout):
+        for obj in t.fetch([shard], load_timeout):
             tokens += obj.header.num_tokens
             obj.release()
         return time.perf_counter() - t0, tokens

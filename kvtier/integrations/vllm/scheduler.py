@@ -117,6 +117,7 @@ class KVTierScheduler:
         self._reqs: dict[str, _Req] = {}
         self._roots: dict[str, ChunkKey] = {}
         self._lookups = PriorityExecutor("vllm-lookup", 2)
+        self._prober = PriorityExecutor("vllm-probe", 1)  # re-measures slow tiers, apart from lookups
         self._pending_loads: list[LoadJob] = []
         self._probes: list[tuple[str, Future]] = []  # background re-measurements of slow tiers
         self._warned_unready = False
@@ -188,6 +189,13 @@ class KVTierScheduler:
             skip = self.costs.ruled_out() if self.settings.decision.mode == "auto" else frozenset()
             for tier in skip:
                 self.metrics.recompute_decisions.labels(tier, "not_asked").inc()
+                if len(tokens) >= self.chunk and self.costs.start_probe(tier):
+                    # Re-measure it in the background with this prompt's first
+                    # chunk, if the tier holds it; this request goes on without it.
+                    key = next_key(st.root, tokens[: self.chunk])
+                    cfg = self.settings.store
+                    self._probes.append((tier, self._prober.submit(
+                        LOAD, self.view.probe, tier, key, cfg.lookup_timeout_s, cfg.load_timeout_s)))
             if self._all_in_memory(st.root, tokens):
                 # Answered from host memory alone: no I/O, no reason to defer.
                 st.lookup = Future()
@@ -236,12 +244,7 @@ class KVTierScheduler:
         if stopped is not None and end < hit.tokens:
             self.metrics.recompute_decisions.labels(stopped, "cut").inc()
             self.metrics.recomputed_hit_tokens.labels(stopped).inc(hit.tokens - end)
-            if self.costs.start_probe(stopped):
-                # Re-measure the tier on the lookup pool with the chunk it
-                # would have served; this request recomputes meanwhile.
-                key = hit.keys[first + n]
-                self._probes.append((stopped, self._lookups.submit(
-                    LOAD, self.view.probe, stopped, key, self.settings.store.load_timeout_s)))
+
         st.claim = (st.lookup, lo, end)
         return end
 
@@ -429,6 +432,8 @@ class KVTierScheduler:
             if fut.cancelled() or fut.exception() is not None:
                 self.costs.load_ended(tier)
                 continue
+            if fut.result() is None:
+                continue  # the tier did not hold that chunk: the probe lapses, a later one tries again
             seconds, tokens = fut.result()
             self.costs.loaded(tier, seconds, max(tokens, 1))
             rate = self.costs.tiers.get(tier)
@@ -493,4 +498,5 @@ class KVTierScheduler:
 
     def close(self) -> None:
         self._lookups.close(cancel_pending=True)
+        self._prober.close(cancel_pending=True)
         self.view.close()

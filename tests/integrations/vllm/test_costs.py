@@ -83,12 +83,11 @@ def test_a_ruled_out_tier_is_probed_once_per_interval_and_used_again_once_it_rec
     assert c.ruled_out() == {"shared"}
     assert not c.start_probe("shared")  # measured just now
     clock.now += 30.0
-    assert c.ruled_out() == set()  # a probe is due: lookups ask the tier again
     assert c.start_probe("shared")
     assert not c.start_probe("shared")  # one probe at a time
-    assert c.ruled_out() == {"shared"}
     for _ in range(8):  # it recovered: 0.1 ms per token now, within a few loads...
         c.loaded("shared", seconds=0.0256, tokens=256)
+    assert c.ruled_out() == set()
     assert c.claimable(["shared", "shared"]) == (2, None)  # ...and is used again
 
 
@@ -174,13 +173,10 @@ def test_a_probe_reads_in_the_background_while_the_request_recomputes(tmp_path):
         store.flush()
         s.costs.prefill.value = 0.001
         assert _load_and_time(s, "a", seconds=1.6) == 16  # 100 ms per token: ruled out
-        time.sleep(0.06)  # a probe is due: the lookup asks the tier, the claim is cut, the probe starts
-        cut = s.metrics.recomputed_hit_tokens.labels("disk")
-        before = cut._value.get()
+        time.sleep(0.06)  # a probe is due: the request goes on without the tier, the probe reads it
         assert _load_and_time(s, "b", seconds=0.0) == 0
-        assert cut._value.get() - before == 16
         (tier, fut), = s._probes
-        assert tier == "disk" and fut.result(5)[1] == C  # shard 0 of the first chunk, read for real
+        assert tier == "disk" and fut.result(5)[1] == C  # shard 0 of the prompt's first chunk, read for real
         s.update_connector_output(SimpleNamespace(finished_recving=None, invalid_block_ids=set(), failed_recving=set()))
         assert s.costs.tiers["disk"].value < 0.1  # the fast read pulled the estimate down
         assert not s._probes
