@@ -435,10 +435,7 @@ class KVTierScheduler:
             if fut.result() is None:
                 continue  # the tier did not hold that chunk: the probe lapses, a later one tries again
             seconds, tokens = fut.result()
-            self.costs.loaded(tier, seconds, max(tokens, 1))
-            rate = self.costs.tiers.get(tier)
-            if rate is not None and rate.value is not None:
-                self.metrics.load_seconds_per_token.labels(tier).set(rate.value)
+            self._measured(tier, seconds, max(tokens, 1))
 
     def update_connector_output(self, output) -> None:
         self.costs.step_done()  # vLLM hands every step's output here, once
@@ -485,10 +482,23 @@ class KVTierScheduler:
             return
         seconds, tokens = st.read
         # Nothing arrived in all that time: as slow as one token per ``seconds``.
-        self.costs.loaded(st.load_tier, seconds, max(tokens, 1))
-        rate = self.costs.tiers.get(st.load_tier)
-        if rate is not None and rate.value is not None:
-            self.metrics.load_seconds_per_token.labels(st.load_tier).set(rate.value)
+        self._measured(st.load_tier, seconds, max(tokens, 1))
+
+    def _measured(self, tier: str, seconds: float, tokens: int) -> None:
+        """A load or probe of ``tier`` took ``seconds`` for ``tokens``: into
+        the cost model, the gauge, and the log when the verdict flips."""
+        was = self.costs.pays_off(tier)
+        self.costs.loaded(tier, seconds, tokens)
+        rate = self.costs.tiers.get(tier)
+        if rate is None or rate.value is None:
+            return
+        self.metrics.load_seconds_per_token.labels(tier).set(rate.value)
+        now = self.costs.pays_off(tier)
+        if now != was:
+            prefill = self.costs.prefill.value or 0.0
+            log.warning("kvtier: tier %s loads at %.3f ms per token, the engine computes at %.3f ms: %s", tier,
+                        rate.value * 1e3, prefill * 1e3,
+                        "loading from it again" if now else "leaving its hits to the engine until it is faster")
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
         st = self._reqs.pop(request.request_id, None)
