@@ -55,11 +55,6 @@ def place_io_threads(cpus: Iterable[int] | None) -> None:
                 pass
 
 
-def io_cpus() -> frozenset[int] | None:
-    """The CPUs ``place_io_threads`` named, or None."""
-    return _io_cpus
-
-
 def _start_placed() -> None:
     """At the start of an executor thread: go where the placement says."""
     with _placement_lock:

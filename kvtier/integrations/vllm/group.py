@@ -15,6 +15,7 @@ scheduler thread at shutdown.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -104,8 +105,6 @@ class GroupView:
         tokens that arrived within ``load_timeout``), or None if the tier
         does not hold it. Runs on the scheduler's probe thread, so that no
         request waits on a tier being re-measured."""
-        import time
-
         t = self.stores[0].tier(tier)
         shard = self.topology.shard(key, 0)
         if not t.lookup([shard], lookup_timeout):
