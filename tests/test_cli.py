@@ -1,7 +1,8 @@
-"""`kvtier store ...` against a real shared directory."""
+"""`kvtier store ...` against real tier directories: shared ones, a running engine's disk tier, the node memory tier."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -164,3 +165,92 @@ def test_demo_exits_1_when_a_configuration_failed(tmp_path, monkeypatch, capsys)
     assert "example failed" in capsys.readouterr().err
     summary["failed"] = []
     assert cli.main(["demo", "--dir", str(tmp_path)]) == 0
+
+
+# ---------------------------------------------------------------- ownership: whose directory it is
+
+
+def _consume(tier, keys) -> int:
+    n = 0
+    for obj in tier.fetch(keys):
+        obj.release()
+        n += 1
+    return n
+
+
+def test_verify_and_gc_refuse_a_running_engines_disk_tier_and_work_once_it_stopped(tmp_path):
+    from kvtier.tiers.disk import DiskTier
+    from tests.support import OBJ, disk_config, make_chunks
+
+    c = make_chunks(10)
+    engine = DiskTier(disk_config(tmp_path, 64 * OBJ))  # this process is the engine: it holds the folder
+    try:
+        assert engine.store(c.objs) == 10
+        assert _consume(engine, c.keys[:1]) == 1  # chunk 0 is now the most recently used
+        before = _tree(tmp_path)
+        for cmd in (["verify", "--no-progress"], ["verify", "--no-progress", "--quarantine"],
+                    ["gc", "--capacity", str(8 * OBJ)], ["gc", "--capacity", str(8 * OBJ), "--dry-run"]):
+            proc = kvtier("store", *cmd, "--dir", str(tmp_path), check=False)
+            assert proc.returncode == 2, (cmd, proc.stdout, proc.stderr)
+            assert "disk tier of a running kvtier engine" in proc.stderr and "disk.lock" in proc.stderr, proc.stderr
+            assert "Fix: stop that engine first" in proc.stderr
+        assert _tree(tmp_path) == before  # nothing the engine counts was touched
+        # Looking is still fine while it runs.
+        assert json.loads(kvtier("store", "stat", "--dir", str(tmp_path), "--json").stdout)["objects"] == 10
+        assert engine.stats().objects == 10 and engine.lookup(c.keys) == 10
+    finally:
+        engine.close()
+
+    assert "verified 10 objects; 0 bad" in kvtier("store", "verify", "--dir", str(tmp_path), "--no-progress").stdout
+    proc = kvtier("store", "gc", "--dir", str(tmp_path), "--capacity", str(8 * OBJ), "--dry-run", check=False)
+    assert proc.returncode == 2 and "--dry-run" in proc.stderr and "access log" in proc.stderr
+    # The tier's own eviction, by its access log: the reads count, not the files' mtimes.
+    out = kvtier("store", "gc", "--dir", str(tmp_path), "--capacity", str(8 * OBJ),
+                 "--high-watermark", "0.9", "--low-watermark", "0.5").stdout
+    assert "deleted 6" in out
+    again = DiskTier(disk_config(tmp_path, 64 * OBJ))
+    try:
+        assert [again.lookup([k]) for k in c.keys] == [1] + [0] * 6 + [1] * 3
+        assert again.stats().used_bytes == 4 * OBJ
+    finally:
+        again.close()
+
+
+def test_verify_and_gc_work_on_a_shared_directory_engines_are_using(tmp_path):
+    from tests.support import OBJ, make_chunks, shared_config
+
+    c = make_chunks(10)
+    engines = [SharedTier(shared_config(tmp_path, 64 * OBJ)) for _ in range(2)]  # two engines on one mount
+    try:
+        assert engines[0].store(c.objs[:5]) == 5 and engines[1].store(c.objs[5:]) == 5
+        for i, p in enumerate(engines[0].dir.path(k) for k in c.keys):
+            os.utime(p, (1000 + i, 1000 + i))
+        assert "verified 10 objects; 0 bad" in kvtier("store", "verify", "--dir", str(tmp_path), "--no-progress",
+                                                     "--quarantine").stdout
+        out = kvtier("store", "gc", "--dir", str(tmp_path), "--capacity", str(8 * OBJ),
+                     "--high-watermark", "0.9", "--low-watermark", "0.5").stdout
+        assert "deleted 6" in out
+        assert [engines[0].lookup([k]) for k in c.keys] == [0] * 6 + [1] * 4
+    finally:
+        for e in engines:
+            e.close()
+
+
+def test_a_node_memory_tier_is_only_looked_at(tmp_path):
+    import tempfile
+
+    from kvtier.tiers.shm import ShmConfig, ShmTier
+    from tests.support import OBJ, make_chunks
+
+    folder = tempfile.mkdtemp(prefix="kvtier-test-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    tier = ShmTier(ShmConfig(capacity=64 * OBJ, path=folder))
+    try:
+        assert tier.store(make_chunks(3).objs) == 3
+        assert "verified 3 objects; 0 bad" in kvtier("store", "verify", "--dir", folder, "--no-progress").stdout
+        for cmd in (["verify", "--no-progress", "--quarantine"], ["gc", "--capacity", str(OBJ)]):
+            proc = kvtier("store", *cmd, "--dir", folder, check=False)
+            assert proc.returncode == 2 and "node memory tier" in proc.stderr and "Fix:" in proc.stderr, proc.stderr
+        assert tier.stats().objects == 3
+    finally:
+        tier.close()
+        shutil.rmtree(folder, ignore_errors=True)

@@ -54,7 +54,7 @@ from typing import Callable
 from kvtier.bench import workloads as wl
 from kvtier.bench.engine_env import engine_env
 from kvtier.bench.resume_report import summarise
-from kvtier.bench.tinymodels import PRESETS, build_checkpoint, build_config_only
+from kvtier.bench.tinymodels import PRESETS, build_checkpoint, build_config_only, has_cuda, resolve_dtype
 
 CONFIGS = ("recompute", "prefix-cache", "kvtier-memory", "kvtier-disk", "kvtier-shared", "example")
 W3_CONFIGS = ("recompute", "kvtier-local-disk", "kvtier-shared")
@@ -83,29 +83,8 @@ def valid_config(name: str) -> bool:
     return base in ALL_CONFIGS and (base == name or base.startswith("kvtier"))
 
 
-def resolve_dtype(dtype: str) -> str:
-    """``auto``: bfloat16 on a GPU or a CPU with native bfloat16 (AVX512-BF16,
-    AMX), float32 elsewhere: an AVX2-only CPU emulates bfloat16 matrix
-    products about 100 times slower than float32 (measured on this project's
-    AMD EPYC host: 1.1 against 102 GFLOP/s), so an 8k prefill would take
-    minutes instead of seconds."""
-    if dtype != "auto":
-        return dtype
-    if _has_cuda():
-        return "bfloat16"
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        flags = ""
-    return "bfloat16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "float32"
-
-
-def _has_cuda() -> bool:
-    return shutil.which("nvidia-smi") is not None and Path("/dev/nvidiactl").exists()
-
-
 def unavailable_peers() -> dict[str, str]:
-    return {} if _has_cuda() else dict(CUDA_PEERS)
+    return {} if has_cuda() else dict(CUDA_PEERS)
 
 
 @dataclass(frozen=True)
@@ -133,7 +112,7 @@ class ResumeConfig:
             return self.configs
         default = {"w3": W3_CONFIGS, "w0": W0_CONFIGS}.get(self.workload, CONFIGS)
         # Where they run (CUDA), the peers join W1 and W2.
-        return default + (tuple(CUDA_PEERS) if self.workload in ("w1", "w2") and _has_cuda() else ())
+        return default + (tuple(CUDA_PEERS) if self.workload in ("w1", "w2") and has_cuda() else ())
 
 
 def cases(cfg: ResumeConfig) -> list[tuple[str, wl.Workload]]:

@@ -233,7 +233,7 @@ def summarise(cfg, runs: list[dict], fio: dict, unavailable: dict) -> dict:
 
 
 def _dtype(cfg) -> str:
-    from kvtier.bench.resume import resolve_dtype
+    from kvtier.bench.tinymodels import resolve_dtype
 
     return resolve_dtype(getattr(cfg, "dtype", "auto")) if cfg.dummy_weights else "float32"
 

@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 
 
-def _connector_config(extra: dict) -> dict:
+def connector_config(extra: dict) -> dict:
     return {
         "kv_connector": "KVTierConnector",
         "kv_connector_module_path": "kvtier.integrations.vllm",
@@ -217,7 +217,7 @@ def main(spec_path: str, out_path: str) -> int:
     )
     engine.update(spec.get("engine", {}))
     if spec.get("kvtier") is not None:
-        engine["kv_transfer_config"] = _connector_config(spec["kvtier"])
+        engine["kv_transfer_config"] = connector_config(spec["kvtier"])
         engine["worker_extension_cls"] = WORKER_EXTENSION
     llm = LLM(model=spec["model"], **engine)
     llm._kvtier = spec.get("kvtier") is not None

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from kvtier.config import parse_size
+from kvtier import argtypes, progress
 from kvtier.errors import ConfigError
 
 DESCRIPTION = """\
@@ -50,22 +50,8 @@ examples:
 """
 
 
-def _size(text: str) -> int:
-    try:
-        return parse_size(text, "size")
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _pair(text: str) -> tuple[int, int]:
-    try:
-        a, b = (int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected LO,HI, got {text!r}") from None
-    return a, b
-
-
-def register(subparsers) -> argparse.ArgumentParser:
+def register(subparsers) -> None:
+    """``kvtier plan``."""
     p = subparsers.add_parser(
         "plan", help="capacity planning: replay a trace through kvtier's tiers, predict hit ratios, TTFT, what to buy",
         description=DESCRIPTION, epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -77,11 +63,11 @@ def register(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--config", help="configuration of a kvtier log to replay (default: the first)")
     g.add_argument("--synth", action="store_true", help="a synthetic multi-turn trace instead of TRACE")
     g.add_argument("--sessions", type=int, default=200, help="synthetic: sessions (default 200)")
-    g.add_argument("--turns", type=_pair, default=(1, 8), help="synthetic: turns per session LO,HI (default 1,8)")
+    g.add_argument("--turns", type=argtypes.pair, default=(1, 8), help="synthetic: turns per session LO,HI (default 1,8)")
     g.add_argument("--system-prompts", type=int, default=4, help="synthetic: distinct shared system prompts (default 4)")
     g.add_argument("--system-tokens", type=int, default=2048, help="synthetic: system prompt tokens (default 2048)")
-    g.add_argument("--user-tokens", type=_pair, default=(64, 1024), help="synthetic: user turn tokens LO,HI (default 64,1024)")
-    g.add_argument("--answer-tokens", type=_pair, default=(32, 512), help="synthetic: answer tokens LO,HI (default 32,512)")
+    g.add_argument("--user-tokens", type=argtypes.pair, default=(64, 1024), help="synthetic: user turn tokens LO,HI (default 64,1024)")
+    g.add_argument("--answer-tokens", type=argtypes.pair, default=(32, 512), help="synthetic: answer tokens LO,HI (default 32,512)")
     g.add_argument("--think-s", type=float, default=30.0, help="synthetic: mean pause between turns (default 30 s)")
     g.add_argument("--arrival-rate", type=float, default=1.0, help="synthetic: new sessions per second (default 1)")
     g.add_argument("--write-trace", help="synthetic: also write the trace here (Bailian format)")
@@ -91,11 +77,11 @@ def register(subparsers) -> argparse.ArgumentParser:
                    "qwen2.5-7b, llama-3.1-8b, llama-3.1-70b, qwen3-coder-480b")
     g.add_argument("--chunk-tokens", type=int, default=256, help="kvtier chunk size (default 256)")
     g.add_argument("--block-tokens", type=int, default=128, help="engine KV block size (default 128: vLLM on CPU; 16 on most GPUs)")
-    g.add_argument("--engine-kv", type=_size, help="engine KV cache per instance in bytes (sets its prefix cache size)")
+    g.add_argument("--engine-kv", type=argtypes.size, help="engine KV cache per instance in bytes (sets its prefix cache size)")
     g.add_argument("--engine-tokens", type=int, help="engine KV cache per instance in tokens (instead of --engine-kv)")
-    g.add_argument("--memory", type=_size, help="memory tier per instance, e.g. 64GiB")
-    g.add_argument("--disk", type=_size, help="local disk tier per instance, e.g. 2TiB")
-    g.add_argument("--shared", type=_size, help="shared tier (one for all instances), e.g. 20TiB")
+    g.add_argument("--memory", type=argtypes.size, help="memory tier per instance, e.g. 64GiB")
+    g.add_argument("--disk", type=argtypes.size, help="local disk tier per instance, e.g. 2TiB")
+    g.add_argument("--shared", type=argtypes.size, help="shared tier (one for all instances), e.g. 20TiB")
     g.add_argument("--storage-json", help="bandwidths from `kvtier bench storage --json`")
     for t, bw, lat in (("memory", 10.7, 0.2), ("disk", 1.6, 40), ("shared", 1.6, 40)):
         g.add_argument(f"--{t}-gbps", type=float, help=f"{t} tier read bandwidth per instance, GB/s (default {bw})")
@@ -126,31 +112,6 @@ def register(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--validate", metavar="RESULTS_DIR", help="replay a kvtier bench resume run and compare")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=handle)
-    return p
-
-
-def _progress(enabled: bool):
-    if not enabled:
-        return lambda desc, total: (lambda n: None)
-    from kvtier.cli import _progress_factory
-
-    try:
-        return _progress_factory(True)
-    except ImportError:  # tqdm missing: a line per 10%
-        def make(desc: str, total):
-            state = {"n": 0, "shown": -1}
-
-            def tick(n: int) -> None:
-                state["n"] += n
-                if total:
-                    pct = 100 * state["n"] // total
-                    if pct // 10 > state["shown"]:
-                        state["shown"] = pct // 10
-                        print(f"{desc}: {pct}%", file=sys.stderr)
-
-            return tick
-
-        return make
 
 
 def build_config(args, trace_units: int):
@@ -255,8 +216,8 @@ def handle(args: argparse.Namespace) -> int:
     if trace.meta.get("format") == "mooncake" and cfg.routing == "sticky" and cfg.instances > 1:
         print("note: Mooncake traces name no sessions: sticky routing sends every request to a random instance",
               file=sys.stderr)
-    progress = _progress(not args.no_progress)
-    sim = Simulator(cfg).run(trace, progress("replay", trace.count or 0))
+    bars = progress.bars(not args.no_progress)
+    sim = Simulator(cfg).run(trace, bars("replay", trace.count or 0))
     meta = {"name": trace.name, **{k: v for k, v in trace.meta.items() if k in ("format", "block_tokens", "config", "workload", "path")}}
     summary = report.summarise(sim, meta)
     print(json.dumps(summary, indent=2) if args.json else report.format_table(summary))

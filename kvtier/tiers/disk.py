@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 _REC = struct.Struct("<32s8sd")
 _FLUSH_S = 2.0
+OWNER_LOCK = "disk.lock"  # under kvtier-v1/; `kvtier store` tries it too (tiers/admin.py)
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ class DiskTier(FileTier):
         self.metrics.used(self._used)
 
     def _take_ownership(self) -> int:
-        path = self.dir.base / "disk.lock"
+        path = self.dir.base / OWNER_LOCK
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -246,6 +246,27 @@ class ObjectDir:
                 raise CorruptObject("the object is a symlink") from None
             raise
 
+    def header_at(self, path: Path) -> Header:
+        """The parsed header of the file ``scan`` found at ``path``, opened
+        the way ``read`` opens objects (folder by folder, O_NOFOLLOW): how an
+        offline check (``kvtier store verify``) learns the key to ``read`` it
+        with. Raises like ``read``."""
+        parts = path.relative_to(self.base).parts
+        try:
+            dfd = self._open_dir(parts[:-1])
+        except OSError as exc:
+            if exc.errno in _NOT_OURS:
+                raise CorruptObject(f"a symlink or file where a folder belongs ({exc.strerror})") from None
+            raise
+        try:
+            fd = self._open_object(dfd, parts[-1], False)[0]
+        finally:
+            os.close(dfd)
+        try:
+            return parse_header(os.pread(fd, HEADER_BLOCK, 0))
+        finally:
+            os.close(fd)
+
     # ------------------------------------------------------------ write
     def write(self, obj: ChunkObject, key: ChunkKey, fsync: bool) -> None:
         """Publish ``obj`` atomically under ``key``'s name."""

@@ -52,6 +52,7 @@ from kvtier.tiers.filetier import FileTier
 log = logging.getLogger(__name__)
 
 _U64 = struct.Struct("<Q")
+NODE_LEDGER = "node.ledger"  # under kvtier-v1/; marks the folder as a node memory tier's (tiers/admin.py)
 
 
 def default_dir() -> str:
@@ -105,7 +106,7 @@ class ShmTier(FileTier):
         base = self.dir.base
         try:
             self._lockfd = os.open(base / "node.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            self._ledger = os.open(base / "node.ledger", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            self._ledger = os.open(base / NODE_LEDGER, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except OSError as exc:
             raise ConfigError(f"{self.name}.path", f"{config.path} is not usable ({exc.strerror})",
                               "point it at a writable tmpfs directory, e.g. /dev/shm/kvtier") from None

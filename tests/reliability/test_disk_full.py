@@ -21,7 +21,7 @@ from kvtier.metrics import Metrics
 from kvtier.tiers import disk as disk_mod
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.shared import SharedTier
-from kvtier.tiers.verify import verify_directory
+from kvtier.tiers.admin import verify_objects
 from tests.support import DTYPE, OBJ, disk_config, keys_for, memory_config, objs_for, payload_for, shape_for, shared_config
 
 FS_SIZE = "256k"
@@ -67,7 +67,7 @@ def test_a_full_file_system_drops_saves_and_keeps_serving_loads(small_fs, metric
     assert metrics.value("kvtier_breaker_open", tier=tier.name) == 0
 
     # Nothing damaged, nothing half-written left behind.
-    report = verify_directory(tier.dir, list(tier.dir.scan()), quarantine=False, tick=lambda n: None)
+    report = verify_objects(tier.dir, list(tier.dir.scan()), quarantine=False)
     assert report.bad == [] and report.ok >= len(whole) * CHUNKS
     assert os.listdir(tier.dir.tmp) == []
 

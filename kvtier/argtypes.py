@@ -1,0 +1,45 @@
+"""Value types of the commands' arguments (``type=`` of argparse), shared by
+every command module: a bad value is argparse's usage error (exit status 2)
+with the reason."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvtier.config import parse_size
+from kvtier.errors import ConfigError
+
+
+def size(text: str) -> int:
+    """Bytes: ``2GiB``, ``512MiB``, ``10GB``, ``1048576``."""
+    try:
+        return parse_size(text, "size")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def sizes(text: str) -> tuple[int, ...]:
+    """Comma-separated sizes: ``16MiB,64MiB``."""
+    return tuple(size(t) for t in text.split(",") if t)
+
+
+def ints(text: str) -> tuple[int, ...]:
+    """Comma-separated integers: ``1,8,32``."""
+    try:
+        return tuple(int(t) for t in text.split(",") if t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def pair(text: str) -> tuple[int, int]:
+    """Two integers, ``LO,HI``."""
+    try:
+        a, b = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO,HI, got {text!r}") from None
+    return a, b
+
+
+def words(text: str) -> list[str]:
+    """Comma-separated names, empty ones dropped."""
+    return [t for t in text.split(",") if t]

