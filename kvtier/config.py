@@ -192,7 +192,9 @@ class StoreConfig:
 
 def parse_tier(spec: Any, key: str) -> TierSpec:
     """A tier from a mapping (``{kind: disk, path: ..., capacity: ...}``) or a URL
-    (``disk:///nvme/kvtier?capacity=500GiB``)."""
+    (``disk:///nvme/kvtier?capacity=500GiB``). ``kind`` may name a tier another
+    package provides, or a tier class (``package.module:Class``): see
+    ``tiers/registry.py``."""
     from kvtier.tiers import registry
 
     if isinstance(spec, str):
@@ -204,7 +206,7 @@ def parse_tier(spec: Any, key: str) -> TierSpec:
     if kind is None:
         raise ConfigError(f"{key}.kind", "is required", f"set kind to one of: {', '.join(registry.kinds())}")
     cfg_cls = registry.config_class(str(kind), f"{key}.kind")
-    values.setdefault("name", str(kind))
+    values.setdefault("name", registry.default_name(str(kind)))
     return TierSpec(str(kind), build(cfg_cls, values, f"{key}."))
 
 
