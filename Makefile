@@ -24,10 +24,11 @@ $(STAMP): pyproject.toml
 # Debian packages: the demo needs fio (the storage limit) and tcmalloc (vLLM
 # on CPU prefills faster with it preloaded); the tests also start real
 # redis-server instances and mount FUSE file systems (fuse3: a slow or
-# hanging shared mount, kvtier.bench.faultfs). Installed only when missing
-# (root needed then).
+# hanging shared mount, kvtier.bench.faultfs); redis-tools brings redis-cli
+# (cluster set-up) and redis-benchmark (the Redis tier's ceiling in `kvtier
+# bench storage --tier`). Installed only when missing (root needed then).
 DEMO_PKGS := fio libtcmalloc-minimal4
-TEST_PKGS := $(DEMO_PKGS) redis-server fuse3
+TEST_PKGS := $(DEMO_PKGS) redis-server redis-tools fuse3
 HAVE_TCMALLOC := [ -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 -o -e /usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4 ]
 define install_missing
 	@{ $(2); } || { \
@@ -40,7 +41,7 @@ demo-sysdeps:
 	$(call install_missing,$(DEMO_PKGS),command -v fio >/dev/null 2>&1 && $(HAVE_TCMALLOC))
 
 sysdeps:
-	$(call install_missing,$(TEST_PKGS),command -v fio >/dev/null 2>&1 && command -v redis-server >/dev/null 2>&1 && command -v fusermount3 >/dev/null 2>&1 && $(HAVE_TCMALLOC))
+	$(call install_missing,$(TEST_PKGS),command -v fio >/dev/null 2>&1 && command -v redis-server >/dev/null 2>&1 && command -v redis-benchmark >/dev/null 2>&1 && command -v fusermount3 >/dev/null 2>&1 && $(HAVE_TCMALLOC))
 
 demo: venv demo-sysdeps
 	$(VENV)/bin/kvtier demo --dir $(DEMO_DIR) --json $(DEMO_DIR)/demo.json

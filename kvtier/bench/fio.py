@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -21,11 +22,33 @@ class FioMissing(RuntimeError):
     pass
 
 
+@dataclass(frozen=True)
+class FioRead:
+    """One fio run: bandwidth in GB/s (10^9 bytes/s), bytes read, and the CPU
+    seconds (user + system) its jobs spent, from fio's own accounting
+    (``usr_cpu``/``sys_cpu`` are percentages of ``job_runtime``, both summed
+    over the jobs of a group)."""
+
+    gbps: float
+    nbytes: int
+    cpu_s: float
+
+    @property
+    def cpu_s_per_gb(self) -> float:
+        return self.cpu_s / (self.nbytes / 1e9) if self.nbytes else float("nan")
+
+
 def fio_seq_read(directory: Path, iodepth: int, size_bytes: int, block: str = "1M", direct: bool = True,
                  jobs: int = 1) -> float:
-    """Sequential read bandwidth in GB/s (10^9 bytes/s) of one fio job, or of
-    ``jobs`` streams at once, each reading a file of its own (``size_bytes``
-    in all), as kvtier's I/O threads read many objects at once."""
+    """Sequential read bandwidth in GB/s (10^9 bytes/s): ``fio_seq_read_run``'s."""
+    return fio_seq_read_run(directory, iodepth, size_bytes, block, direct, jobs).gbps
+
+
+def fio_seq_read_run(directory: Path, iodepth: int, size_bytes: int, block: str = "1M", direct: bool = True,
+                     jobs: int = 1) -> FioRead:
+    """Sequential reads of one fio job, or of ``jobs`` streams at once, each
+    reading a file of its own (``size_bytes`` in all), as kvtier's I/O
+    threads read many objects at once."""
     exe = shutil.which("fio")
     if exe is None:
         raise FioMissing("fio is not installed: apt-get install fio (make demo/test install it)")
@@ -55,8 +78,11 @@ def fio_seq_read(directory: Path, iodepth: int, size_bytes: int, block: str = "1
         raise RuntimeError(f"fio failed ({out.returncode}): {out.stderr.strip()[:500]}")
     # fio may print warnings before the JSON document.
     doc = json.loads(out.stdout[out.stdout.index("{") :])
-    read = doc["jobs"][0]["read"]
-    return read["bw_bytes"] / 1e9
+    job = doc["jobs"][0]
+    read = job["read"]
+    runtime_ms = job.get("job_runtime") or read["runtime"]
+    cpu_s = (job["usr_cpu"] + job["sys_cpu"]) / 100 * runtime_ms / 1e3
+    return FioRead(read["bw_bytes"] / 1e9, int(read["io_bytes"]), cpu_s)
 
 
 def remove_fio_file(directory: Path) -> None:

@@ -1,5 +1,5 @@
 """``kvtier bench storage --tier URL``: the storage benchmark on a network tier
-(Redis/Valkey, S3), where fio has nothing to measure.
+(Redis/Valkey, S3), against what the server itself can deliver.
 
 In one run, on one tier (a URL as in the config, e.g. ``redis://host:6379``,
 ``s3://bucket/prefix?endpoint=http://host:8333``):
@@ -8,24 +8,30 @@ In one run, on one tier (a URL as in the config, e.g. ``redis://host:6379``,
 2. single-chunk loads, one at a time: the latency one chunk costs without
    contention (p50/p99 over every chunk);
 3. session loads through ``TieredStore.load`` at several read windows:
-   throughput, the time of one session's load, and the latency of each chunk
-   read under that window's concurrency (p50/p99);
-4. memory-tier loads (promoted from the tier) against memcpy, as with ``--dir``.
+   throughput, CPU seconds per GB (this process, every thread), the time of
+   one session's load, and the latency of each chunk read under that
+   window's concurrency (p50/p99); interleaved repeat by repeat with
+4. the ceiling at the same window (``ceiling``): the server's own
+   ``redis-benchmark`` GETs of the same objects, or plain parallel S3 GETs
+   of the same objects (boto3, and awscrt where installed), as many in
+   flight as kvtier has; kvtier's load is reported as a fraction of it;
+5. memory-tier loads (promoted from the tier) against memcpy, as with ``--dir``.
 
 fio is skipped, and said so in the report: it measures block devices and
 file systems. Server-side caches cannot be dropped from here: Redis serves
-from memory anyway; an S3 server may serve from its own page cache.
+from memory anyway; an S3 server may serve from its own page cache (for
+kvtier and the ceiling alike). A missing ceiling tool skips the ceiling only,
+with the reason in the report.
 
 The data is kept for reruns (a rerun skips existing objects). It is written
 under its own namespace; Redis gets the key prefix ``kvtier-bench:v1:`` unless
 the URL names one (kvtier's capacity budget is per prefix, so the benchmark
 never evicts another prefix's objects), and S3 runs no collection pass: give
-the benchmark a prefix or database of its own.
+the benchmark a prefix or database of its own. The ceiling only reads.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import platform
 import threading
@@ -33,19 +39,23 @@ import time
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvtier.bench.storage import (
+from kvtier.bench import ceiling
+from kvtier.bench.ceiling import CeilingRun, concurrency
+from kvtier.bench.storage_common import (
     GiB,
+    LoadPass,
     MiB,
     Progress,
     StorageBenchConfig,
     StorageBenchError,
-    _median,
-    _memory_bench,
-    _namespace,
-    _no_progress,
-    _populate,
     load_sessions,
-    _sessions,
+    median,
+    memory_bench,
+    namespace,
+    no_progress,
+    pct,
+    populate,
+    sessions as make_sessions,
 )
 from kvtier.buffers import alloc
 from kvtier.config import ConfigError, StoreConfig, TierSpec, parse_tier, parse_tier_url
@@ -118,18 +128,11 @@ class _ReadTimer:
         return out
 
 
-def _pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
-
-
-def run(cfg: StorageBenchConfig, progress: Progress = _no_progress) -> dict:
+def run(cfg: StorageBenchConfig, progress: Progress = no_progress) -> dict:
     url = cfg.tier
     assert url is not None
     first = tier_spec(url, cfg, cfg.windows[0])
-    sessions = _sessions(cfg, _namespace(cfg))
+    sessions = make_sessions(cfg, namespace(cfg))
     chunk_bytes = cfg.model.bytes_per_token * cfg.chunk_tokens
     result: dict = {
         "kvtier_version": __version__,
@@ -152,12 +155,13 @@ def run(cfg: StorageBenchConfig, progress: Progress = _no_progress) -> dict:
     t_start = t0 = time.perf_counter()
     writer = _open(first)
     try:
-        result["data_bytes"] = _populate(writer, sessions, cfg, progress, result["tier"])
+        result["data_bytes"] = populate(writer, sessions, cfg, progress, result["tier"])
     finally:
         writer.close()
     result["write_seconds"] = time.perf_counter() - t0
     result["write_gbps"] = result["data_bytes"] / result["write_seconds"] / 1e9
     bufs = [alloc(chunk_bytes) for _ in range(cfg.session_chunks)]
+    object_bytes = result["data_bytes"] // result["chunks"]  # every chunk is full-sized
 
     # 2. one chunk at a time
     store = TieredStore(StoreConfig(tiers=(first,), promote=False))
@@ -173,45 +177,163 @@ def run(cfg: StorageBenchConfig, progress: Progress = _no_progress) -> dict:
             tick(1)
     finally:
         store.close()
-    result["chunk_load"] = {"samples": len(single), "p50_ms": _pct(single, 0.5) * 1e3, "p99_ms": _pct(single, 0.99) * 1e3}
+    result["chunk_load"] = {"samples": len(single), "p50_ms": pct(single, 0.5) * 1e3, "p99_ms": pct(single, 0.99) * 1e3}
 
-    # 3. sessions at each window
+    # 3+4. sessions at each window, each pass followed by the ceiling at the
+    # same concurrency, so that both see the same server and machine load.
     stores = {w: TieredStore(StoreConfig(tiers=(tier_spec(url, cfg, w),), promote=False)) for w in cfg.windows}
     timers = {w: _ReadTimer(s.tiers[0]) for w, s in stores.items()}
-    runs: dict[int, list[float]] = {w: [] for w in cfg.windows}
+    runs: dict[int, list[LoadPass]] = {w: [] for w in cfg.windows}
     per_load: dict[int, list[float]] = {w: [] for w in cfg.windows}
     reads: dict[int, list[float]] = {w: [] for w in cfg.windows}
-    tick = progress("session loads", cfg.repeats * len(cfg.windows) * len(sessions))
+    roof = Ceiling.open(first, stores[cfg.windows[0]].tiers[0], all_keys, object_bytes) if cfg.ceiling else None
+    if roof is None or roof.skipped:
+        result["ceiling"] = None
+        result["ceiling_skipped"] = roof.skipped if roof is not None else "not asked for"
+    inflight = {w: concurrency(w, object_bytes, cfg.io_threads) for w in cfg.windows}
+    ceil_runs: dict[int, dict[str, list[CeilingRun]]] = {w: {} for w in cfg.windows}
+    tick = progress("session loads + ceiling", cfg.repeats * len(cfg.windows) * (len(sessions) + 1))
     try:
         for _ in range(cfg.repeats):
             for w, store in stores.items():
                 runs[w].append(load_sessions(store, sessions, bufs, per_load[w], tick, "load", f"at {result['tier']}, see the log"))
                 reads[w] += timers[w].take()
+                if roof is not None and not roof.skipped:
+                    for client, run_ in roof.measure(inflight[w]).items():
+                        ceil_runs[w].setdefault(client, []).append(run_)
+                tick(1)
     finally:
         for s in stores.values():
             s.close()
-    cold = {
-        f"{w // MiB}MiB": {
+        if roof is not None:
+            roof.close()
+    cold = {}
+    for w in cfg.windows:
+        v = {
             "window_bytes": w,
-            "runs_gbps": runs[w],
-            "median_gbps": _median(runs[w]),
-            "session_load_p50_s": _median(per_load[w]),
-            "session_load_p99_s": _pct(per_load[w], 0.99),
-            "chunk_read_p50_ms": _pct(reads[w], 0.5) * 1e3,
-            "chunk_read_p99_ms": _pct(reads[w], 0.99) * 1e3,
+            "concurrency": inflight[w],
+            "runs_gbps": [p.gbps for p in runs[w]],
+            "median_gbps": median([p.gbps for p in runs[w]]),
+            "runs_cpu_s_per_gb": [p.cpu_s_per_gb for p in runs[w]],
+            "cpu_s_per_gb": median([p.cpu_s_per_gb for p in runs[w]]),
+            "session_load_p50_s": median(per_load[w]),
+            "session_load_p99_s": pct(per_load[w], 0.99),
+            "chunk_read_p50_ms": pct(reads[w], 0.5) * 1e3,
+            "chunk_read_p99_ms": pct(reads[w], 0.99) * 1e3,
         }
-        for w in cfg.windows
-    }
+        cold[f"{w // MiB}MiB"] = v
     result["cold"] = cold
     best = max(cold, key=lambda w: cold[w]["median_gbps"])
     result["cold_best_window"] = best
     result["cold_load_gbps"] = cold[best]["median_gbps"]
+    result["cold_cpu_s_per_gb"] = cold[best]["cpu_s_per_gb"]
+    if roof is not None and not roof.skipped:
+        result.update(_ceiling_results(roof, cold, ceil_runs, best))
 
-    # 4. memory tier vs memcpy
-    result.update(_memory_bench(cfg, sessions, tier_spec(url, cfg, 64 * MiB), bufs, progress))
+    # 5. memory tier vs memcpy
+    result.update(memory_bench(cfg, sessions, tier_spec(url, cfg, 64 * MiB), bufs, progress))
     result["memory_vs_memcpy"] = result["memory_load_gbps"] / result["memcpy_gbps"]
     result["seconds"] = time.perf_counter() - t_start
     return result
+
+
+def _ceiling_results(roof: "Ceiling", cold: dict, ceil_runs: dict, best: str) -> dict:
+    """Per window: each client's median and the best of them (the ceiling);
+    kvtier's load at that window as a fraction of it. Overall: kvtier's best
+    window against the best ceiling of any window (as ``cold_vs_fio``)."""
+    windows = {}
+    for w, by_client in ceil_runs.items():
+        label = f"{w // MiB}MiB"
+        clients = {
+            c: {
+                "runs_gbps": [r.gbps for r in rs],
+                "median_gbps": median([r.gbps for r in rs]),
+                "runs_cpu_s_per_gb": [r.cpu_s_per_gb for r in rs],
+                "cpu_s_per_gb": median([r.cpu_s_per_gb for r in rs]),
+            }
+            for c, rs in by_client.items()
+        }
+        top = max(clients, key=lambda c: clients[c]["median_gbps"])
+        windows[label] = {"concurrency": cold[label]["concurrency"], "clients": clients, "best_client": top,
+                          "median_gbps": clients[top]["median_gbps"], "cpu_s_per_gb": clients[top]["cpu_s_per_gb"]}
+        cold[label]["ceiling_gbps"] = clients[top]["median_gbps"]
+        cold[label]["vs_ceiling"] = cold[label]["median_gbps"] / clients[top]["median_gbps"]
+    top_w = max(windows, key=lambda w: windows[w]["median_gbps"])
+    return {
+        "ceiling": {"tool": roof.tool, "object_bytes": roof.object_bytes, "windows": windows},
+        "ceiling_skipped": None,
+        "ceiling_gbps": windows[top_w]["median_gbps"],
+        "ceiling_best_window": top_w,
+        "ceiling_cpu_s_per_gb": windows[top_w]["cpu_s_per_gb"],
+        "cold_vs_ceiling": cold[best]["median_gbps"] / windows[top_w]["median_gbps"],
+    }
+
+
+class Ceiling:
+    """The ceiling of one tier's server (see ``ceiling``): which tool, on
+    which objects; ``measure`` runs it once at a concurrency. ``skipped``
+    says why there is none (a tool not installed)."""
+
+    def __init__(self, tool: str, object_bytes: int, skipped: str = ""):
+        self.tool = tool
+        self.object_bytes = object_bytes
+        self.skipped = skipped
+
+    @staticmethod
+    def open(spec: TierSpec, tier, keys: list, object_bytes: int) -> "Ceiling":
+        if spec.kind == "redis":
+            return _RedisCeiling.make(spec.config, tier, keys, object_bytes)
+        return _S3Ceiling(spec.config, tier, keys, object_bytes)
+
+    def measure(self, clients: int) -> dict[str, CeilingRun]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class _RedisCeiling(Ceiling):
+    @classmethod
+    def make(cls, config, tier, keys, object_bytes: int) -> Ceiling:
+        try:
+            version = ceiling.redis_benchmark_version()
+        except ceiling.CeilingMissing as exc:
+            return Ceiling("redis-benchmark", object_bytes, skipped=str(exc))
+        self = cls(version, object_bytes)
+        self.config = config
+        self.targets = tier.servers_of(keys)  # one object per server that holds any
+        self.requests = len(keys)
+        return self
+
+    def measure(self, clients: int) -> dict[str, CeilingRun]:
+        try:
+            # At least 200 GETs: redis-benchmark's clock counts milliseconds.
+            run_ = ceiling.redis_get_ceiling(self.config, self.targets, self.object_bytes, clients,
+                                             max(self.requests, 200, 4 * clients))
+        except RuntimeError as exc:
+            raise StorageBenchError(f"the ceiling could not be measured: {exc}") from exc
+        return {"redis-benchmark": run_}
+
+
+class _S3Ceiling(Ceiling):
+    def __init__(self, config, tier, keys, object_bytes: int):
+        clients = ["boto3"] + (["awscrt"] if ceiling.awscrt_available() else [])
+        super().__init__("plain GETs: " + ", ".join(clients), object_bytes)
+        self.config = config
+        self.client = tier.client()
+        self.names = [tier.object_name(k) for k in keys]
+        self.crt = "awscrt" in clients
+
+    def measure(self, clients: int) -> dict[str, CeilingRun]:
+        c = self.config
+        out = {"boto3": ceiling.s3_boto3_ceiling(self.client, c.bucket, self.names, self.object_bytes, clients)}
+        if self.crt and c.endpoint:
+            out["awscrt"] = ceiling.s3_crt_ceiling(
+                c.endpoint, c.region or "us-east-1", c.bucket, self.names, self.object_bytes, clients,
+                c.access_key_id or os.environ.get("AWS_ACCESS_KEY_ID"),
+                c.secret_access_key or os.environ.get("AWS_SECRET_ACCESS_KEY"),
+            )
+        return out
 
 
 def format_table(r: dict) -> str:
@@ -221,23 +343,46 @@ def format_table(r: dict) -> str:
         f"({r['model']['name']}, {r['chunk_tokens']} tokens/chunk, {r['sessions']} sessions, "
         f"{r['io_threads']} I/O threads); medians of {r['repeats']} runs",
         f"fio: skipped ({r['fio_skipped']})",
+    ]
+    ceil = r.get("ceiling")
+    if ceil:
+        lines.append(f"ceiling: {ceil['tool']} GETs of the same objects, as many in flight as kvtier")
+    else:
+        lines.append(f"ceiling: skipped ({r.get('ceiling_skipped') or 'not measured'})")
+    lines += [
         "",
-        f"{'measurement':<30}{'GB/s':>7}  {'session p50':>11}  {'chunk p50':>9}  {'chunk p99':>9}",
-        "-" * 72,
-        f"{'first write (batched)':<30}{r['write_gbps']:>7.2f}",
-        f"{'one chunk at a time':<30}{'':>7}  {'':>11}  {r['chunk_load']['p50_ms']:>7.1f}ms  {r['chunk_load']['p99_ms']:>7.1f}ms",
+        f"{'measurement':<36}{'GB/s':>7}  {'x ceiling':>9}  {'CPU s/GB':>8}  {'session p50':>11}  {'chunk p50':>9}  {'chunk p99':>9}",
+        "-" * 101,
+        f"{'first write (batched)':<36}{r['write_gbps']:>7.2f}",
+        f"{'one chunk at a time':<36}{'':>7}  {'':>9}  {'':>8}  {'':>11}  {r['chunk_load']['p50_ms']:>7.1f}ms  "
+        f"{r['chunk_load']['p99_ms']:>7.1f}ms",
     ]
     for w, v in r["cold"].items():
         mark = " *" if w == r["cold_best_window"] else ""
+        ratio = f"{v['vs_ceiling']:>9.2f}" if "vs_ceiling" in v else f"{'':>9}"
         lines.append(
-            f"{'load, window ' + w:<30}{v['median_gbps']:>7.2f}  {v['session_load_p50_s'] * 1e3:>9.0f}ms  "
+            f"{'load, window ' + w + ' (' + str(v['concurrency']) + ' in flight)':<36}{v['median_gbps']:>7.2f}  {ratio}  "
+            f"{v['cpu_s_per_gb']:>8.3f}  {v['session_load_p50_s'] * 1e3:>9.0f}ms  "
             f"{v['chunk_read_p50_ms']:>7.1f}ms  {v['chunk_read_p99_ms']:>7.1f}ms{mark}"
         )
-    lines.append(f"{'memcpy (same bytes)':<30}{r['memcpy_gbps']:>7.2f}")
-    lines.append(f"{'kvtier memory-tier load':<30}{r['memory_load_gbps']:>7.2f}  ({r['memory_vs_memcpy']:.2f} x memcpy)")
+        if ceil:
+            for client, c in ceil["windows"][w]["clients"].items():
+                lines.append(f"{'  ceiling: ' + client + ' GET x' + str(v['concurrency']):<36}{c['median_gbps']:>7.2f}  "
+                             f"{'':>9}  {c['cpu_s_per_gb']:>8.3f}")
+    lines.append(f"{'memcpy (same bytes)':<36}{r['memcpy_gbps']:>7.2f}")
+    lines.append(f"{'kvtier memory-tier load':<36}{r['memory_load_gbps']:>7.2f}  ({r['memory_vs_memcpy']:.2f} x memcpy)")
     lines.append("")
+    if ceil:
+        lines.append(
+            f"load (best window {r['cold_best_window']}) = {r['cold_vs_ceiling']:.2f} x the ceiling "
+            f"({r['ceiling_gbps']:.2f} GB/s at {r['ceiling_best_window']}); CPU per GB loaded: kvtier "
+            f"{r['cold_cpu_s_per_gb']:.3f} s, ceiling {r['ceiling_cpu_s_per_gb']:.3f} s"
+        )
+    else:
+        lines.append(f"CPU per GB loaded (best window): kvtier {r['cold_cpu_s_per_gb']:.3f} s; no ceiling to compare with")
     lines.append(
         "chunk p50/p99: one chunk's read (GET and verify) under the window's concurrency; "
-        "'one chunk at a time': a whole single-chunk load, lookup included."
+        "'one chunk at a time': a whole single-chunk load, lookup included. CPU: user + system of the "
+        "client process(es), every thread."
     )
     return "\n".join(lines)

@@ -57,10 +57,12 @@ from kvtier.keys import ChunkKey
 from kvtier.tiers.base import Tier, TierStats
 from kvtier.tiers.files import PooledIO
 from kvtier.tiers.filetier import key_of
+from kvtier.tiers.redis_read import ReadPool, Redirected
 
 log = logging.getLogger(__name__)
 
 _DEFAULT_BYTES_PER_TOKEN = 16 << 10
+_MAX_VALUE = HEADER_BLOCK + MAX_PAYLOAD  # longer is not a chunk object: never read
 # What storage trouble looks like: redis-py's errors (the cluster client's
 # slot-map failures are not RedisErrors) and socket errors.
 _TROUBLE = (RedisError, RedisClusterException, OSError)
@@ -189,6 +191,9 @@ class RedisTier(PooledIO, Tier):
         self._lru, self._size, self._seq, self._used = (f"{tag}:{s}" for s in ("lru", "size", "seq", "used"))
         self._client_lock = threading.Lock()
         self._client: Any = None
+        # GETs go through connections of their own (one per pool thread at
+        # most): values straight into pooled buffers.
+        self._reads = ReadPool(config, max_idle=config.io_threads)
         self._scripts: dict[str, Any] = {}
         self._closed = False
         self._bytes_per_token = _DEFAULT_BYTES_PER_TOKEN
@@ -238,6 +243,26 @@ class RedisTier(PooledIO, Tier):
     def _name(self, key: ChunkKey) -> bytes:
         return f"{self.config.key_prefix}{key.ns[:8].hex()}:{key.digest.hex()}".encode()
 
+    def object_name(self, key: ChunkKey) -> bytes:
+        """The Redis key that holds ``key``'s object."""
+        return self._name(key)
+
+    def servers_of(self, keys: Sequence[ChunkKey]) -> list[tuple[str, int, bytes]]:
+        """(host, port, object name) for each server that holds one of
+        ``keys``' objects, with the first such name: the single server, or
+        each cluster master that serves a slot of one (tools that measure
+        the servers, e.g. ``kvtier bench storage``). Raises for trouble."""
+        client = self._redis()
+        if not self.config.cluster:
+            host, port = self.config.nodes()[0]  # type: ignore[misc]
+            return [(host, port, self._name(keys[0]))] if keys else []
+        out: dict[tuple[str, int], bytes] = {}
+        for k in keys:
+            name = self._name(k)
+            node = client.get_node_from_key(name)
+            out.setdefault((node.host, node.port), name)
+        return [(h, p, n) for (h, p), n in out.items()]
+
     # ------------------------------------------------------------ lookup
     def lookup(self, keys: Sequence[ChunkKey], timeout: float | None = None) -> int:
         """One pipelined ``EXISTS`` per key (one round trip per server); the
@@ -285,22 +310,20 @@ class RedisTier(PooledIO, Tier):
             self.metrics.error("touch")
 
     def _read_one(self, key: ChunkKey) -> ChunkObject | None:
-        """GET and verify one object into a pooled buffer (runs on the pool).
-        Raises RedisError for trouble; the stream ends there."""
+        """GET and verify one object into a pooled buffer (runs on the pool):
+        the value is received straight into the buffer (``redis_read``).
+        Raises RedisError or OSError for trouble; the stream ends there."""
         t0 = time.perf_counter()
         name = self._name(key)
-        client = self._redis()
         ttl = self.config.ttl_s
-        value = client.getex(name, px=int(ttl * 1000)) if ttl else client.get(name)
-        if value is None:
-            return None
-        n = len(value)
         try:
-            if n < HEADER_BLOCK or n > HEADER_BLOCK + MAX_PAYLOAD:
-                raise CorruptObject(f"value size {n} out of range")
-            buf = self.pool.get(align_up(n))
+            got = self._get_into(name, int(ttl * 1000) if ttl else None)
+            if got is None:
+                return None
+            buf, n = got
             try:
-                buf[:n] = value
+                if n < HEADER_BLOCK:
+                    raise CorruptObject(f"value size {n} out of range")
                 obj = decode(buf, key, n, self.pool)
                 if obj.header.object_len != n:
                     raise CorruptObject(f"value is {n} B, the object {obj.header.object_len} B")
@@ -311,11 +334,35 @@ class RedisTier(PooledIO, Tier):
             log.warning("tier %s: object %s failed verification (%s); deleted", self.name, key.hex[:16], exc)
             self.metrics.corrupt()
             # Its index entry stays and ages out like any stale name (see above).
-            client.delete(name)
+            self._redis().delete(name)
             return None
         self._bytes_per_token = max(1, n // max(1, key.num_tokens))
         self.metrics.observe("read", time.perf_counter() - t0)
         return obj
+
+    def _get_into(self, name: bytes, px: int | None) -> tuple[memoryview, int] | None:
+        """The value of ``name`` in a pooled buffer (aligned size) and its
+        length, or None. On a cluster, the node is the one redis-py's slot
+        map names; a node that answers MOVED/ASK (the slots moved) gets the
+        read through redis-py, which follows the redirection and updates its
+        map, then the value is copied into a pooled buffer (rare)."""
+        if not self.config.cluster:
+            host, port = self.config.nodes()[0]  # type: ignore[misc]
+            return self._reads.get_into(host, port, name, self.pool, _MAX_VALUE, px)
+        client = self._redis()
+        node = client.get_node_from_key(name)
+        try:
+            return self._reads.get_into(node.host, node.port, name, self.pool, _MAX_VALUE, px)
+        except Redirected:
+            value = client.getex(name, px=px) if px else client.get(name)
+            if value is None:
+                return None
+            n = len(value)
+            if n > _MAX_VALUE:
+                raise CorruptObject(f"value size {n} out of range") from None
+            buf = self.pool.get(align_up(n))
+            buf[:n] = value
+            return buf, n
 
     # ------------------------------------------------------------ store
     def store(self, objs: Sequence[ChunkObject]) -> int:
@@ -424,6 +471,7 @@ class RedisTier(PooledIO, Tier):
 
     def close(self) -> None:
         self.executor.close()
+        self._reads.close()
         with self._client_lock:
             self._closed = True
             client, self._client = self._client, None

@@ -199,6 +199,11 @@ class S3Tier(PooledIO, Tier):
                 self._client_pid = os.getpid()
             return self._client_obj
 
+    def client(self):
+        """The boto3 client (thread-safe; made anew in a forked child): for
+        tools that measure the same store, e.g. ``kvtier bench storage``."""
+        return self._client()
+
     def _make_client(self):
         import boto3
         from botocore.config import Config

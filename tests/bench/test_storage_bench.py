@@ -48,6 +48,14 @@ def test_bench_storage_cli_writes_table_and_json(tmp_path):
     assert r["cold_load_gbps"] == max(v["median_gbps"] for v in r["cold"].values())
     assert r["fio_best_gbps"] == max(v["median_gbps"] for v in r["fio"].values())
     assert r["cold_vs_fio"] == pytest.approx(r["cold_load_gbps"] / r["fio_best_gbps"])
+    # CPU seconds per GB read, kvtier's and fio's side by side, and their ratio.
+    for v in (*r["fio"].values(), *r["cold"].values()):
+        assert v["cpu_s_per_gb"] > 0 and len(v["runs_cpu_s_per_gb"]) == 1
+    best = r["cold"][r["cold_best_window"]]
+    assert r["cold_cpu_s_per_gb"] == best["cpu_s_per_gb"]
+    assert r["fio"][r["fio_cpu_job"]]["read_mode"] == best["read_mode"]
+    assert r["cpu_vs_fio"] == pytest.approx(r["cold_cpu_s_per_gb"] / r["fio_cpu_s_per_gb"])
+    assert "CPU per GB read (user + system): kvtier" in proc.stdout and "cores at 10 GB/s" in proc.stdout
     assert not (tmp_path / "d" / "fio" / "kvtier-fio.dat").exists(), "fio's file must be removed"
 
     # A rerun reuses the objects already written (check-before-write).
@@ -136,6 +144,18 @@ def test_bench_storage_measures_a_network_tier(tmp_path, kind):
             assert 0 < v["session_load_p50_s"] <= v["session_load_p99_s"]
         assert r["cold_load_gbps"] == max(v["median_gbps"] for v in r["cold"].values())
         assert r["memory_load_gbps"] > 0 and r["memcpy_gbps"] > 0
+        # The server's ceiling at each window, at kvtier's concurrency, and the ratio.
+        assert [v["concurrency"] for v in r["cold"].values()] == [1, 2]  # 4 and 16 MiB of 3 MiB objects, 2 threads
+        assert r["ceiling_skipped"] is None, r["ceiling_skipped"]
+        clients = {"redis": {"redis-benchmark"}, "s3": {"boto3", "awscrt"}}[kind]
+        for w, v in r["cold"].items():
+            c = r["ceiling"]["windows"][w]
+            assert c["concurrency"] == v["concurrency"] and set(c["clients"]) <= clients
+            assert c["median_gbps"] == max(x["median_gbps"] for x in c["clients"].values()) > 0
+            assert v["ceiling_gbps"] == c["median_gbps"] and v["vs_ceiling"] == pytest.approx(v["median_gbps"] / c["median_gbps"])
+            assert v["cpu_s_per_gb"] > 0 and c["cpu_s_per_gb"] > 0
+        assert r["cold_vs_ceiling"] == pytest.approx(r["cold_load_gbps"] / r["ceiling_gbps"])
+        assert "x the ceiling" in proc.stdout and "ceiling: " in proc.stdout
         for text in (proc.stdout, proc.stderr, out.read_text()):
             assert SECRET_KEY not in text and ACCESS_KEY not in text
         # The objects are on the server, under the benchmark's own prefix.
@@ -151,6 +171,26 @@ def test_bench_storage_measures_a_network_tier(tmp_path, kind):
     finally:
         if kind == "redis":
             srv.stop()
+
+
+def test_bench_storage_without_the_ceiling_tool_skips_only_the_ceiling(tmp_path):
+    """redis-benchmark not on PATH: the benchmark says so and measures the rest."""
+    srv = RedisServer(tmp_path / "redis")
+    (tmp_path / "bin").mkdir()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvtier.cli", "bench", "storage", "--tier", f"redis://{srv.address}", "--size", "6MiB",
+             "--windows", "4MiB", "--repeats", "1", "--memory", "6MiB", "--session-chunks", "2", "--io-threads", "2",
+             "--json", str(tmp_path / "r.json"), "--no-progress"],
+            capture_output=True, text=True, timeout=300, env={**os.environ, "PATH": str(tmp_path / "bin")},
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert "ceiling: skipped (redis-benchmark is not installed" in proc.stdout and "apt-get install redis-tools" in proc.stdout
+        r = json.loads((tmp_path / "r.json").read_text())
+        assert r["ceiling"] is None and "redis-benchmark" in r["ceiling_skipped"]
+        assert r["cold_load_gbps"] > 0 and r["cold_cpu_s_per_gb"] > 0 and "vs_ceiling" not in r["cold"]["4MiB"]
+    finally:
+        srv.stop()
 
 
 def test_bench_storage_tier_flag_takes_network_tiers_only(tmp_path):

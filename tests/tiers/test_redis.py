@@ -101,6 +101,34 @@ def test_cluster_serves_the_contract_across_slots(cluster, metrics):
         tier.close()
 
 
+def test_cluster_reads_follow_a_slot_that_moved(cluster, metrics):
+    """A slot migrated to another node after the tier mapped the slots: the
+    node the tier's map names answers MOVED, and the read still returns the
+    object (through redis-py, which follows the redirection and remaps)."""
+    tier = open_tier(cluster[0].address, metrics, cluster=True)
+    try:
+        c = make_chunks(3)
+        assert tier.store(c.objs) == 3
+        name = tier.object_name(c.keys[1])
+        slot = int(cluster[0].cli("cluster", "keyslot", name.decode()))
+        ids = {int(line.split()[1].split(":")[1].split("@")[0]): line.split()[0]
+               for line in cluster[0].cli("cluster", "nodes").splitlines()}
+        src = next(n for n in cluster if int(n.cli("cluster", "countkeysinslot", str(slot))) > 0)
+        dst = next(n for n in cluster if n is not src)
+        dst.cli("cluster", "setslot", str(slot), "importing", ids[src.port])
+        src.cli("cluster", "setslot", str(slot), "migrating", ids[dst.port])
+        src.cli("migrate", "127.0.0.1", str(dst.port), "", "0", "5000", "keys", name.decode())
+        for n in cluster:
+            n.cli("cluster", "setslot", str(slot), "node", ids[dst.port])
+        assert tier._redis().get_node_from_key(name).port == src.port  # the tier's map is stale
+        assert fetched(tier, c.keys[1:2]) == 1
+        assert tier._redis().get_node_from_key(name).port == dst.port  # and now remapped
+        assert fetched(tier, c.keys) == 3
+        assert metrics.value("kvtier_integrity_failures_total", tier="redis") == 0
+    finally:
+        tier.close()
+
+
 # ---------------------------------------------------------------- integrity
 
 

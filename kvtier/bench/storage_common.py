@@ -1,0 +1,213 @@
+"""What both storage benchmarks share (``storage``: a directory against fio;
+``storage_remote``: a network tier against its server's own ceiling): the
+configuration, the data set (sessions of prefix-chained chunk keys), writing
+it, timing and CPU-accounting session loads, and the memory-tier comparison.
+
+Neither benchmark imports the other's private names: both import from here.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from kvtier.buffers import copy_into
+from kvtier.codec import ChunkObject, encode
+from kvtier.config import StoreConfig, TierSpec
+from kvtier.engine.store import TieredStore
+from kvtier.keys import ChunkKey, Namespace, chunk_keys
+from kvtier.bench.models import ModelShape
+from kvtier.tiers.memory import MemoryConfig
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+READ_MODES = ("direct", "buffered")  # the file tiers' o_direct: true / false
+
+
+class StorageBenchError(RuntimeError):
+    """The benchmark could not run: storage trouble or missing data (the
+    message says which; the tier's log lines say why)."""
+
+
+@dataclass(frozen=True)
+class StorageBenchConfig:
+    directory: Path | None = None  # a directory to measure (fio + the shared tier) ...
+    tier: str | None = None  # ... or a network tier URL (redis://, s3://): see storage_remote
+    size_bytes: int = 2 * GiB
+    model: ModelShape = field(default_factory=lambda: ModelShape("qwen2.5-0.5b", 24, 2, 64))
+    chunk_tokens: int = 256
+    session_chunks: int = 32
+    windows: tuple[int, ...] = (16 * MiB, 64 * MiB, 128 * MiB)
+    fio_depths: tuple[int, ...] = (1, 8, 32)
+    read_modes: tuple[str, ...] = READ_MODES
+    repeats: int = 3
+    memory_bytes: int = 1 * GiB
+    io_threads: int = 32
+    ceiling: bool = True  # network tiers: measure the server's own ceiling (redis-benchmark, plain GETs)
+
+
+Progress = Callable[[str, int], Callable[[int], None]]
+
+
+def no_progress(desc: str, total: int) -> Callable[[int], None]:
+    return lambda n: None
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def pct(xs: list[float], q: float) -> float:
+    """The q-quantile of ``xs`` (nearest rank), NaN for none."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process so far, every thread
+    included (kvtier's reads run on its tiers' pool threads)."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def namespace(cfg: StorageBenchConfig) -> Namespace:
+    return Namespace(
+        model=f"bench/{cfg.model.name}", model_fingerprint="storage-bench", kv_dtype=cfg.model.dtype,
+        layout="kvtier:LKHTD", num_layers=cfg.model.num_layers, num_kv_heads=cfg.model.num_kv_heads,
+        head_dim=cfg.model.head_dim, chunk_tokens=cfg.chunk_tokens,
+    )
+
+
+def sessions(cfg: StorageBenchConfig, ns: Namespace) -> list[list[ChunkKey]]:
+    """``size_bytes`` of chunks cut into sessions of ``session_chunks``, each
+    session a prefix chain of its own."""
+    chunk_bytes = cfg.model.bytes_per_token * cfg.chunk_tokens
+    n_chunks = max(1, math.ceil(cfg.size_bytes / chunk_bytes))
+    n_sessions = math.ceil(n_chunks / cfg.session_chunks)
+    nsd = ns.digest()
+    out = []
+    for s in range(n_sessions):
+        chunks = min(cfg.session_chunks, n_chunks - s * cfg.session_chunks)
+        tokens = [(s * 7919 + i * 31) % 150_000 for i in range(chunks * cfg.chunk_tokens)]
+        out.append(chunk_keys(ns, tokens, ns_digest=nsd))
+    return out
+
+
+def populate(tier, sessions: list[list[ChunkKey]], cfg: StorageBenchConfig, progress: Progress, where: str) -> int:
+    """Write every chunk through ``tier.store_async`` (skipping those already
+    there). Returns object bytes. ``where`` names the storage in errors."""
+    base = os.urandom(cfg.model.bytes_per_token * cfg.chunk_tokens)
+    shape = cfg.model.chunk_shape(cfg.chunk_tokens)
+    tick = progress("write chunks", sum(len(s) for s in sessions))
+    total = 0
+    pending = []
+    for s, keys in enumerate(sessions):
+        objs: list[ChunkObject] = []
+        for i, k in enumerate(keys):
+            payload = bytearray(base)
+            payload[:16] = s.to_bytes(8, "little") + i.to_bytes(8, "little")
+            objs.append(encode(k, cfg.model.dtype, shape, payload))
+            total += objs[-1].nbytes
+        pending.append((tier.store_async(objs), len(objs)))
+        while len(pending) > 2:  # bound memory: at most a few sessions in flight
+            f, n = pending.pop(0)
+            if f.result() != n:
+                raise StorageBenchError(f"could not write benchmark data to {where} (full, or unreachable? see the log)")
+            tick(n)
+    for f, n in pending:
+        if f.result() != n:
+            raise StorageBenchError(f"could not write benchmark data to {where} (full, or unreachable? see the log)")
+        tick(n)
+    return total
+
+
+@dataclass(frozen=True)
+class LoadPass:
+    """One pass of session loads: payload bytes delivered, wall seconds, and
+    the process's CPU seconds (user + system, all threads) spent meanwhile."""
+
+    nbytes: int
+    seconds: float
+    cpu_s: float
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9
+
+    @property
+    def cpu_s_per_gb(self) -> float:
+        return self.cpu_s / (self.nbytes / 1e9)
+
+
+def load_sessions(store: TieredStore, sessions, bufs, per_load: list[float], tick, what: str, where: str) -> LoadPass:
+    """Load every session once through ``store``, as an engine would; append
+    each load's seconds to ``per_load``."""
+    nbytes = 0
+    c0, t0 = cpu_seconds(), time.perf_counter()
+    for keys in sessions:
+        s0 = time.perf_counter()
+        n = store.load(keys, bufs[: len(keys)])
+        per_load.append(time.perf_counter() - s0)
+        if n != len(keys):
+            raise StorageBenchError(f"{what} served {n} of {len(keys)} chunks: storage trouble, {where}")
+        nbytes += sum(bufs[i].nbytes for i in range(n))
+        tick(1)
+    return LoadPass(nbytes, time.perf_counter() - t0, cpu_seconds() - c0)
+
+
+def memory_bench(cfg: StorageBenchConfig, sessions, lower: TierSpec, bufs, progress: Progress) -> dict:
+    """Memory-tier loads (promoted from ``lower``, which holds the data)
+    against a plain memcpy of the same bytes."""
+    budget = min(cfg.memory_bytes, cfg.size_bytes)
+    mem_spec = TierSpec("memory", MemoryConfig(capacity=budget + 64 * MiB))
+    store = TieredStore(StoreConfig(tiers=(mem_spec, lower), promote=True))
+    try:
+        picked, used = [], 0
+        for keys in sessions:
+            size = sum(k.num_tokens for k in keys) * cfg.model.bytes_per_token
+            if used + size > budget:
+                break
+            if store.load(keys, bufs[: len(keys)]) != len(keys):  # promotes into memory
+                raise StorageBenchError("could not read benchmark data back")
+            picked.append(keys)
+            used += size
+        if not picked:
+            per = sum(k.num_tokens for k in sessions[0]) * cfg.model.bytes_per_token
+            raise StorageBenchError(f"--memory {budget // MiB} MiB holds no whole session ({per / MiB:.0f} MiB): "
+                                    f"raise --memory or lower --session-chunks")
+        mem = store.tier("memory")
+        if any(mem.lookup(k) != len(k) for k in picked):
+            raise StorageBenchError("memory tier did not keep the benchmark data")
+        sources = [[o.payload for o in mem.fetch(k)] for k in picked]
+        mem_runs, cpy_runs = [], []
+        tick = progress("memory loads", cfg.repeats * 2)
+        for _ in range(max(cfg.repeats, 5)):
+            t0 = time.perf_counter()
+            for srcs in sources:
+                for src, dst in zip(srcs, bufs):
+                    copy_into(dst, src)
+            cpy_runs.append(used / (time.perf_counter() - t0) / 1e9)
+            t0 = time.perf_counter()
+            for keys in picked:
+                if store.load(keys, bufs[: len(keys)]) != len(keys):
+                    raise StorageBenchError("memory tier lost data during the benchmark")
+            mem_runs.append(used / (time.perf_counter() - t0) / 1e9)
+            tick(2)
+    finally:
+        store.close()
+    return {
+        "memory_bench_bytes": used,
+        "memcpy_runs_gbps": cpy_runs,
+        "memory_runs_gbps": mem_runs,
+        "memcpy_gbps": median(cpy_runs),
+        "memory_load_gbps": median(mem_runs),
+    }
