@@ -153,6 +153,10 @@ def _resume_parser(bsub) -> None:
                          "the single-process run")
     br.add_argument("--instances", type=int, default=3, help="w3: engine instances (default 3)")
     br.add_argument("--repeats", type=int, default=3, help="w0: alternating rounds per configuration (default 3)")
+    br.add_argument("--rounds", type=int, default=1,
+                    help="w1-w3: engine runs per configuration, the configurations in ABBA order (odd rounds "
+                    "reversed), figures pooled over rounds: use 2 or more when comparing configurations whose "
+                    "difference is near this host's drift (default 1)")
     br.add_argument("--turns", type=argtypes.ints, default=(2, 4), help="w2: turns per conversation, min,max (default 2,4)")
     br.add_argument("--system-tokens", type=int, default=512, help="w2: shared system prompt length (default 512)")
     br.add_argument("--user-tokens", type=argtypes.ints, default=(64, 384), help="w2: user turn length, min,max (default 64,384)")
@@ -205,7 +209,7 @@ def cmd_bench_resume(args: argparse.Namespace) -> int:
         workdir=Path(args.dir), workload=args.workload, model=args.model, contexts=args.contexts,
         sessions=args.sessions, configs=tuple(args.configs), dummy_weights=not args.checkpoint, dtype=args.dtype,
         chat=chat,
-        instances=args.instances, repeats=args.repeats, fio=not args.no_fio, vocab=args.vocab, seed=args.seed,
+        instances=args.instances, repeats=args.repeats, rounds=args.rounds, fio=not args.no_fio, vocab=args.vocab, seed=args.seed,
         throttle_bps=args.throttle, load_decision=args.load_decision,
     )
     if args.endpoint:

@@ -101,6 +101,7 @@ class ResumeConfig:
     chat: wl.ChatShape = field(default_factory=wl.ChatShape)
     instances: int = 3
     repeats: int = 3                       # W0: alternating rounds per configuration
+    rounds: int = 1                        # W1-W3: engine runs per configuration, in ABBA order
     fio: bool = True
     vocab: int | None = None               # token ids drawn below this (default: the model preset's)
     engine_timeout_s: float = 3600
@@ -206,16 +207,14 @@ def run(cfg: ResumeConfig, progress: Callable[[str, int], Callable[[int], None]]
         model_dir = build_checkpoint(cfg.model, cfg.workdir / "models" / f"{cfg.model}-ckpt", max_len=max_len)
     missing = unavailable_peers()
     names = tuple(n for n in cfg.config_names() if n not in missing)
-    rounds = cfg.repeats if cfg.workload == "w0" else 1
+    rounds = cfg.repeats if cfg.workload == "w0" else max(1, cfg.rounds)
     tick = (progress or (lambda d, t: (lambda n: None)))("engine runs", len(todo) * len(names) * rounds)
     runs: list[dict] = []
     failed: list[dict] = []
     fio: dict[str, dict] = {}
     for label, workload in todo:
         for rnd in range(rounds):
-            # W0 alternates the configurations round by round, so that drift
-            # of this noisy host hits both alike.
-            for name in names:
+            for name in round_order(names, rnd, cfg.workload):
                 try:
                     runs.append(_run_config(cfg, name, label, workload, model_dir, rnd))
                 except RuntimeError as exc:
@@ -232,6 +231,16 @@ def run(cfg: ResumeConfig, progress: Callable[[str, int], Callable[[int], None]]
     summary["failed"] = failed
     _write_requests(cfg.workdir / "report" / "requests.jsonl", cfg, runs)
     return summary
+
+
+def round_order(names: tuple[str, ...], rnd: int, workload: str) -> tuple[str, ...]:
+    """The configurations' order in round ``rnd``. Rounds alternate them so
+    that drift of a noisy host hits all alike: W0 in the same order each
+    round (its bar pairs round by round); the others ABBA, odd rounds
+    reversed, because on this project's 2-core host the first engine of a
+    run resumed up to 2 s slower whichever configuration it ran
+    (docs/benchmarks.md, process topologies)."""
+    return names[::-1] if rnd % 2 and workload != "w0" else names
 
 
 def run_endpoints(cfg: ResumeConfig, endpoints: list[str], routing: str = "workload", label: str = "endpoint",

@@ -221,6 +221,7 @@ def summarise(cfg, runs: list[dict], fio: dict, unavailable: dict) -> dict:
         "dummy_weights": cfg.dummy_weights,
         "dtype": _dtype(cfg),
         "sessions": cfg.sessions,
+        "rounds": cfg.repeats if cfg.workload == "w0" else getattr(cfg, "rounds", 1),
         "contexts": list(cfg.contexts),
         "instances": first.get("instances", 1),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -239,10 +240,11 @@ def _dtype(cfg) -> str:
 
 
 def _describe(cfg) -> str:
+    rounds = f", {cfg.rounds} rounds (ABBA)" if getattr(cfg, "rounds", 1) > 1 and cfg.workload != "w0" else ""
     if cfg.workload == "w1":
-        return f"W1 long-context cold resume, {cfg.sessions} sessions per context"
+        return f"W1 long-context cold resume, {cfg.sessions} sessions per context{rounds}"
     if cfg.workload == "w3":
-        return f"W3 multi-instance cold resume, {cfg.instances} instances, {cfg.sessions} sessions per context, random routing"
+        return f"W3 multi-instance cold resume, {cfg.instances} instances, {cfg.sessions} sessions per context, random routing{rounds}"
     if cfg.workload == "w0":
         return f"W0 zero-hit overhead, {cfg.sessions} distinct prompts per context, {cfg.repeats} alternating rounds"
     c = cfg.chat

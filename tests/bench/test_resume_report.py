@@ -89,3 +89,13 @@ def test_multiprocess_runs_are_compared_with_their_single_process_runs():
     assert abs(r["multiprocess_vs_single"] - 0.66 / 0.6) < 1e-9  # the worst of them
     c = _checks(r)["multiprocess_vs_single"]
     assert c["kind"] == "at most" and c["bar"] == 1.05 and c["met"] is False
+
+
+def test_rounds_run_the_configurations_abba_except_w0():
+    from kvtier.bench.resume import round_order
+    names = ("kvtier-memory", "kvtier-memory+mp")
+    w1 = [round_order(names, r, "w1") for r in range(4)]
+    assert w1 == [names, names[::-1], names, names[::-1]]
+    # each configuration goes first as often as the other over an even number of rounds
+    assert sum(o[0] == "kvtier-memory" for o in w1) == 2
+    assert all(round_order(names, r, "w0") == names for r in range(3))
