@@ -8,10 +8,12 @@ with, as fio is for directories.
   a cluster, one ``redis-benchmark`` per master runs at once, each GETting an
   object that master serves, the connections split over them.
 - S3: plain parallel GETs of the same objects, nothing verified or copied
-  after the read, with as many in flight as kvtier: through boto3 (threads,
-  each body read into a buffer of its own) and, where ``awscrt`` is
-  installed, through the AWS common runtime's S3 client (C, its own event
-  loop). The faster is the ceiling; both are reported.
+  after the read, with as many in flight as kvtier, through three clients:
+  boto3 ``get_object`` (threads, each body read into a buffer of its own);
+  URLs presigned by boto3 and fetched with ``http.client`` over kept-alive
+  connections (the request path kvtier's S3 tier uses for its reads); and,
+  where ``awscrt`` is installed, the AWS common runtime's S3 client (C, its
+  own event loop). The fastest is the ceiling; all are reported.
 
 CPU seconds are the client's (user + system): redis-benchmark's from the
 kernel's accounting of the child (``RUSAGE_CHILDREN``), the in-process S3
@@ -21,7 +23,9 @@ clients' from this process's, like kvtier's own loads.
 from __future__ import annotations
 
 import csv
+import http.client
 import io
+import ssl
 import resource
 import shutil
 import subprocess
@@ -30,6 +34,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Sequence
+from urllib.parse import urlsplit
 
 from kvtier.buffers import alloc
 from kvtier.bench.storage_common import cpu_seconds
@@ -179,6 +184,40 @@ def s3_boto3_ceiling(client: Any, bucket: str, names: Sequence[str], object_byte
         return CeilingRun(nbytes, time.perf_counter() - t0, cpu_seconds() - c0)
 
 
+def s3_presigned_ceiling(client: Any, bucket: str, names: Sequence[str], object_bytes: int, clients: int,
+                         tls: "ssl.SSLContext | None" = None) -> CeilingRun:
+    """Plain GETs of URLs presigned by a boto3 client, sent over one kept-alive
+    ``http.client`` connection per thread, each body read straight into a
+    buffer of the reading thread."""
+    local = threading.local()
+
+    def get(name: str) -> int:
+        url = urlsplit(client.generate_presigned_url("get_object", Params={"Bucket": bucket, "Key": name}, ExpiresIn=900))
+        if not hasattr(local, "conn"):
+            local.buf = alloc(object_bytes, populate=True)
+            local.conn = (http.client.HTTPSConnection(url.hostname, url.port or 443, timeout=30, context=tls)
+                          if url.scheme == "https" else http.client.HTTPConnection(url.hostname, url.port or 80, timeout=30))
+        local.conn.request("GET", f"{url.path}?{url.query}")
+        resp = local.conn.getresponse()
+        if resp.status != 200:
+            resp.read()
+            raise RuntimeError(f"GET {name}: HTTP {resp.status}")
+        got, view = 0, local.buf
+        while True:
+            n = resp.readinto(view[got:])
+            if not n:
+                break
+            got += n
+        resp.read()
+        return got
+
+    with ThreadPoolExecutor(clients) as pool:
+        list(pool.map(get, names[:clients]))  # connections up
+        c0, t0 = cpu_seconds(), time.perf_counter()
+        nbytes = sum(pool.map(get, names))
+        return CeilingRun(nbytes, time.perf_counter() - t0, cpu_seconds() - c0)
+
+
 def awscrt_available() -> bool:
     try:
         import awscrt.s3  # noqa: F401
@@ -192,8 +231,6 @@ def s3_crt_ceiling(endpoint: str, region: str, bucket: str, names: Sequence[str]
     """Plain GETs through the AWS common runtime's S3 client (awscrt):
     ``clients`` requests in flight, each body copied into one buffer per
     request slot by the client's body callback."""
-    from urllib.parse import urlsplit
-
     from awscrt import auth, http, io as crt_io, s3
 
     parts = urlsplit(endpoint)

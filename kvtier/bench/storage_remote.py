@@ -317,16 +317,21 @@ class _RedisCeiling(Ceiling):
 
 class _S3Ceiling(Ceiling):
     def __init__(self, config, tier, keys, object_bytes: int):
-        clients = ["boto3"] + (["awscrt"] if ceiling.awscrt_available() else [])
+        clients = ["boto3", "presigned http.client"] + (["awscrt"] if ceiling.awscrt_available() else [])
         super().__init__("plain GETs: " + ", ".join(clients), object_bytes)
         self.config = config
         self.client = tier.client()
         self.names = [tier.object_name(k) for k in keys]
         self.crt = "awscrt" in clients
+        self.tls = tier.tls_context()
 
     def measure(self, clients: int) -> dict[str, CeilingRun]:
         c = self.config
-        out = {"boto3": ceiling.s3_boto3_ceiling(self.client, c.bucket, self.names, self.object_bytes, clients)}
+        out = {
+            "boto3": ceiling.s3_boto3_ceiling(self.client, c.bucket, self.names, self.object_bytes, clients),
+            "presigned http.client": ceiling.s3_presigned_ceiling(self.client, c.bucket, self.names, self.object_bytes,
+                                                                  clients, self.tls),
+        }
         if self.crt and c.endpoint:
             out["awscrt"] = ceiling.s3_crt_ceiling(
                 c.endpoint, c.region or "us-east-1", c.bucket, self.names, self.object_bytes, clients,
@@ -351,26 +356,26 @@ def format_table(r: dict) -> str:
         lines.append(f"ceiling: skipped ({r.get('ceiling_skipped') or 'not measured'})")
     lines += [
         "",
-        f"{'measurement':<36}{'GB/s':>7}  {'x ceiling':>9}  {'CPU s/GB':>8}  {'session p50':>11}  {'chunk p50':>9}  {'chunk p99':>9}",
-        "-" * 101,
-        f"{'first write (batched)':<36}{r['write_gbps']:>7.2f}",
-        f"{'one chunk at a time':<36}{'':>7}  {'':>9}  {'':>8}  {'':>11}  {r['chunk_load']['p50_ms']:>7.1f}ms  "
+        f"{'measurement':<44}{'GB/s':>7}  {'x ceiling':>9}  {'CPU s/GB':>8}  {'session p50':>11}  {'chunk p50':>9}  {'chunk p99':>9}",
+        "-" * 109,
+        f"{'first write (batched)':<44}{r['write_gbps']:>7.2f}",
+        f"{'one chunk at a time':<44}{'':>7}  {'':>9}  {'':>8}  {'':>11}  {r['chunk_load']['p50_ms']:>7.1f}ms  "
         f"{r['chunk_load']['p99_ms']:>7.1f}ms",
     ]
     for w, v in r["cold"].items():
         mark = " *" if w == r["cold_best_window"] else ""
         ratio = f"{v['vs_ceiling']:>9.2f}" if "vs_ceiling" in v else f"{'':>9}"
         lines.append(
-            f"{'load, window ' + w + ' (' + str(v['concurrency']) + ' in flight)':<36}{v['median_gbps']:>7.2f}  {ratio}  "
+            f"{'load, window ' + w + ' (' + str(v['concurrency']) + ' in flight)':<44}{v['median_gbps']:>7.2f}  {ratio}  "
             f"{v['cpu_s_per_gb']:>8.3f}  {v['session_load_p50_s'] * 1e3:>9.0f}ms  "
             f"{v['chunk_read_p50_ms']:>7.1f}ms  {v['chunk_read_p99_ms']:>7.1f}ms{mark}"
         )
         if ceil:
             for client, c in ceil["windows"][w]["clients"].items():
-                lines.append(f"{'  ceiling: ' + client + ' GET x' + str(v['concurrency']):<36}{c['median_gbps']:>7.2f}  "
+                lines.append(f"{'  ceiling: ' + client + ' GET x' + str(v['concurrency']):<44}{c['median_gbps']:>7.2f}  "
                              f"{'':>9}  {c['cpu_s_per_gb']:>8.3f}")
-    lines.append(f"{'memcpy (same bytes)':<36}{r['memcpy_gbps']:>7.2f}")
-    lines.append(f"{'kvtier memory-tier load':<36}{r['memory_load_gbps']:>7.2f}  ({r['memory_vs_memcpy']:.2f} x memcpy)")
+    lines.append(f"{'memcpy (same bytes)':<44}{r['memcpy_gbps']:>7.2f}")
+    lines.append(f"{'kvtier memory-tier load':<44}{r['memory_load_gbps']:>7.2f}  ({r['memory_vs_memcpy']:.2f} x memcpy)")
     lines.append("")
     if ceil:
         lines.append(

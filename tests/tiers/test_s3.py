@@ -339,3 +339,18 @@ def test_a_hostile_key_prefix_is_refused_naming_the_key(location):
     with pytest.raises(ConfigError) as err:
         S3Config(location=location, capacity=1 << 20).validate()
     assert err.value.key == "location" and "prefix" in str(err.value)
+
+
+def test_plain_http_reads_step_aside_for_a_proxy(monkeypatch):
+    """Reads go as presigned plain HTTP requests (s3_http) unless a proxy is
+    configured for the endpoint: boto3 honours proxies, that path does not."""
+    from kvtier.tiers import s3_http
+
+    for var in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    assert s3_http.enabled("http://127.0.0.1:8333") and s3_http.enabled(None)
+    monkeypatch.setenv("http_proxy", "http://proxy.invalid:3128")
+    assert not s3_http.enabled("http://10.0.0.5:8333")
+    assert s3_http.enabled("https://s3.internal:8333")  # no proxy for https
+    monkeypatch.setenv("no_proxy", "10.0.0.5")
+    assert s3_http.enabled("http://10.0.0.5:8333")
