@@ -133,6 +133,12 @@ class ChunkObject:
         return self.buf.nbytes
 
 
+def key_of(obj: ChunkObject) -> ChunkKey:
+    """The key ``obj`` is stored under, as its header names it."""
+    h = obj.header
+    return ChunkKey(h.key, h.check, h.ns, h.num_tokens)
+
+
 def payload_checksum(payload: memoryview | bytes) -> bytes:
     return xxhash.xxh3_128_digest(payload)
 

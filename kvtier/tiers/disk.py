@@ -25,8 +25,7 @@ from kvtier.codec import ChunkObject
 from kvtier.config import ConfigError, opt
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import TierStats
-from kvtier.tiers.filetier import FileTier
-from kvtier.tiers.files import FileTierConfig
+from kvtier.tiers.filetier import FileTier, FileTierConfig
 
 log = logging.getLogger(__name__)
 

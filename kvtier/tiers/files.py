@@ -1,6 +1,6 @@
-"""What the disk and shared tiers have in common: the on-disk layout, atomic
-publication, verified reads, quarantine, temp-file sweeping, and the
-byte-windowed parallel reader.
+"""The object directory: the on-disk layout the disk, node-memory and shared
+tiers keep their objects in, atomic publication, verified reads, quarantine
+and temp-file sweeping. Tiers read and write only through ``ObjectDir``.
 
 Layout under the configured directory::
 
@@ -12,31 +12,31 @@ Names hold only hex digests: no token, model or tenant text ever appears in a
 path. Objects are published by ``rename`` from ``tmp/`` (same file system), so
 a reader sees either no file or a complete one. Files are opened with
 O_NOFOLLOW and created 0600 in 0700 directories.
+
+Why one module of about 540 lines: it is one class (and the handle of a
+write in progress) that owns every path operation a tier makes, each opening
+folders one level at a time with O_NOFOLLOW; kept together, that rule can be
+checked in one place.
 """
 
 from __future__ import annotations
 
 import errno
-import logging
 import os
 import secrets
 import socket
 import stat
-import threading
 import time
-from concurrent.futures import Future, TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from kvtier.buffers import BufferPool, align_up
 from kvtier.codec import HEADER_BLOCK, MAX_PAYLOAD, ChunkObject, Header, decode, parse_header
-from kvtier.config import ConfigError, opt, size_field
-from kvtier.engine.executor import LOAD, PriorityExecutor
+from kvtier.config import ConfigError
 from kvtier.errors import CorruptObject
 from kvtier.keys import ChunkKey
 
-log = logging.getLogger(__name__)
 
 LAYOUT_DIR = "kvtier-v1"
 SUFFIX = ".kvc"
@@ -53,32 +53,8 @@ _CHECK_HEADER_FIRST = 16 << 20
 # virtio disk where this was measured (pieces: 1.5-1.7 GB/s; whole-object
 # reads and O_DIRECT: 0.8-1.0 GB/s; docs/benchmarks.md).
 _BUFFERED_PIECE = 128 << 10
-_HOST = socket.gethostname().replace(".", "_")[:64] or "host"
-
-
-@dataclass(frozen=True)
-class FileTierConfig:
-    """Options common to directory tiers."""
-
-    path: str = opt("", "directory for objects (required)")
-    capacity: int = size_field(0, "bytes this tier may hold (required)")
-    name: str = opt("", "tier name in metrics and logs (defaults to the kind)")
-    o_direct: bool = opt(False, "read with O_DIRECT into aligned buffers instead of buffered reads with readahead "
-                         "(`kvtier bench storage` measures both on your storage)")
-    cold_reads: bool = opt(False, "drop each object from the page cache after reading it (benchmarks)")
-    read_window_bytes: int = size_field(64 << 20, "bytes of reads in flight per load")
-    io_threads: int = opt(16, "threads of this tier's I/O pool", ge=1)
-    fsync: bool = opt(False, "fsync each object before publishing (checksums already catch torn data)")
-
-    def validate(self, prefix: str = "") -> None:
-        if not self.path:
-            raise ConfigError(f"{prefix}path", "is required", "set the directory, e.g. path: /nvme/kvtier")
-        if self.capacity <= 0:
-            raise ConfigError(f"{prefix}capacity", "must be set", "set how much this tier may hold, e.g. capacity: 500GiB")
-        if self.io_threads <= 0:
-            raise ConfigError(f"{prefix}io_threads", "must be positive", "use e.g. 16")
-        if self.read_window_bytes <= 0:
-            raise ConfigError(f"{prefix}read_window_bytes", "must be positive", "use e.g. 64MiB")
+# This host's name as it appears in temp and lease file names.
+HOST = socket.gethostname().replace(".", "_")[:64] or "host"
 
 
 @dataclass(frozen=True)
@@ -116,7 +92,7 @@ class ObjectDir:
                     raise OSError(errno.ELOOP, "is a symlink")
             # Unique per open: two opens of one directory at once (threads of
             # one process included) must not remove each other's probe.
-            probe = self.tmp / f"{_HOST}.{os.getpid()}.{secrets.token_hex(6)}.probe"
+            probe = self.tmp / f"{HOST}.{os.getpid()}.{secrets.token_hex(6)}.probe"
             fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
             os.close(fd)
             probe.unlink()
@@ -282,7 +258,7 @@ class ObjectDir:
         """A temp file in ``tmp/``, ``size`` bytes long from the start (a
         caller that accounts for writes in flight counts them by their temp
         files' sizes). Fill it, then publish it under a key, or abort it."""
-        tmp = f"{_HOST}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
+        tmp = f"{HOST}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
         tdir = self._open_dir(("tmp",), create=True)
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=tdir)
@@ -392,7 +368,7 @@ class ObjectDir:
         def dead_or_old(name: str, mtime: float) -> bool:
             host, _, rest = name.partition(".")
             pid_s = rest.partition(".")[0]
-            dead = host == _HOST and pid_s.isdigit() and not _pid_alive(int(pid_s))
+            dead = host == HOST and pid_s.isdigit() and not pid_alive(int(pid_s))
             return dead or now - mtime > max_age_s
 
         return self._sweep("tmp", dead_or_old)
@@ -561,7 +537,7 @@ def _header_first(fd: int, key: ChunkKey, pool: BufferPool) -> Header:
     return header
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -569,188 +545,3 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-class ReadStream:
-    """Reads ``keys`` in parallel within a byte budget and yields the verified
-    objects in key order, stopping at the first miss.
-
-    Reads go into buffers the stream allocates, never into the caller's, so a
-    read that finishes after a timeout harms nobody. Completion callbacks
-    start the next reads as budget frees up: no submitter thread, no rounds.
-    ``read_one`` returns the object or None (miss) and may raise for errors.
-    """
-
-    def __init__(
-        self,
-        executor: PriorityExecutor,
-        keys: Sequence[ChunkKey],
-        read_one: Callable[[ChunkKey], ChunkObject | None],
-        window_bytes: int,
-        bytes_per_token: Callable[[], int],
-    ):
-        self._executor = executor
-        self._keys = keys
-        self._read_one = read_one
-        self._window = window_bytes
-        self._bpt = bytes_per_token
-        self._lock = threading.Condition()
-        self._futs: list[Future | None] = [None] * len(keys)
-        self._next = 0
-        self._inflight = 0
-        self._stopped = False
-        self.failed: BaseException | None = None  # error or timeout that ended the stream
-        with self._lock:
-            self._fill()
-
-    def _fill(self) -> None:
-        # Lock held. Submit reads while the window has room (one always fits).
-        while not self._stopped and self._next < len(self._keys):
-            key = self._keys[self._next]
-            est = max(1, key.num_tokens * self._bpt())
-            if self._inflight and self._inflight + est > self._window:
-                return
-            fut = self._executor.submit(LOAD, self._read_one, key)
-            self._futs[self._next] = fut
-            self._next += 1
-            self._inflight += est
-            fut.add_done_callback(lambda _f, est=est: self._done(est))
-            self._lock.notify_all()
-
-    def _done(self, est: int) -> None:
-        with self._lock:
-            self._inflight -= est
-            self._fill()
-
-    def stop(self, consumed: int = 0) -> None:
-        """Stop submitting; cancel queued reads; release objects read but not
-        handed out (reads still running release theirs when they finish)."""
-        with self._lock:
-            self._stopped = True
-            futs = [f for f in self._futs[consumed:] if f is not None]
-        for f in futs:
-            if not f.cancel():
-                f.add_done_callback(_release_result)
-
-    def iter(self, timeout: float | None) -> Iterator[ChunkObject]:
-        """Yield objects in key order. Each yielded object is handed over with
-        its reference: the consumer releases it."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        handed = 0  # results [0, handed) belong to the consumer
-        try:
-            for i in range(len(self._keys)):
-                with self._lock:
-                    while self._futs[i] is None and not self._stopped:
-                        self._lock.wait(0.05)
-                    fut = self._futs[i]
-                if fut is None:
-                    return
-                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-                try:
-                    obj = fut.result(remaining)
-                except FutureTimeout as exc:
-                    self.failed = exc
-                    return
-                except Exception as exc:  # I/O error: logged by the tier
-                    self.failed = exc
-                    return
-                if obj is None:
-                    return
-                handed = i + 1
-                yield obj
-        finally:
-            self.stop(consumed=handed)
-
-
-def _release_result(fut: Future) -> None:
-    if fut.cancelled() or fut.exception() is not None:
-        return
-    obj = fut.result()
-    if obj is not None:
-        obj.release()
-
-
-class PooledIO:
-    """What the directory, Redis and S3 tiers share: calls on the tier's own
-    pool, guarded by its circuit breaker. ``lookup`` runs one existence check
-    per key in parallel (a round trip each on a network backend) within a
-    deadline; ``fetch`` reads objects one at a time within a byte window.
-
-    The tier provides ``executor``, ``config.read_window_bytes``,
-    ``_bytes_per_token``, ``_exists(key)``, ``_read_one(key)`` (object, None
-    for a miss, raises for backend trouble), ``breaker``, ``metrics`` and
-    ``_backend_errors`` (the exceptions that mean backend trouble); it may
-    override ``_served(keys)`` to record the reads it served and
-    ``_describe(exc)`` to shorten backend errors in logs.
-    """
-
-    _backend_errors: tuple[type[BaseException], ...] = (OSError,)
-
-    def _guard(self, ok: bool, op: str) -> None:
-        self.breaker.record(ok)
-        self.metrics.breaker(self.breaker.state != "closed")
-        if not ok:
-            self.metrics.error(op)
-
-    def lookup(self, keys: Sequence[ChunkKey], timeout: float | None = None) -> int:
-        """Existence checks in parallel on the pool; the answer is the leading
-        run of hits. Past ``timeout`` the answer is 0 (the request recomputes)."""
-        if not keys or not self.breaker.allow():
-            return 0
-        t0 = time.perf_counter()
-        deadline = None if timeout is None else t0 + timeout
-        futs = [self.executor.submit(LOAD, self._exists, k) for k in keys]
-        n, ok = 0, True
-        try:
-            for f in futs:
-                remaining = None if deadline is None else max(0.0, deadline - time.perf_counter())
-                if not f.result(remaining):
-                    break
-                n += 1
-        except FutureTimeout:
-            log.warning("tier %s: lookup timed out after %.1fs; treating as a miss", self.name, timeout)
-            n, ok = 0, False
-        except self._backend_errors as exc:
-            log.warning("tier %s: lookup failed: %s", self.name, self._describe(exc))
-            n, ok = 0, False
-        finally:
-            for f in futs:
-                f.cancel()
-        self._guard(ok, "lookup")
-        self.metrics.observe("lookup", time.perf_counter() - t0)
-        return n
-
-    def fetch(self, keys: Sequence[ChunkKey], timeout: float | None = None) -> Iterator[ChunkObject]:
-        if not keys:
-            return iter(())
-        if not self.breaker.allow():
-            self.metrics.miss(len(keys))
-            return iter(())
-        stream = ReadStream(self.executor, keys, self._read_one, self.config.read_window_bytes, lambda: self._bytes_per_token)
-        return self._drain(stream, keys, timeout)
-
-    def _drain(self, stream: ReadStream, keys: Sequence[ChunkKey], timeout: float | None) -> Iterator[ChunkObject]:
-        served = 0
-        try:
-            for obj in stream.iter(timeout):
-                served += 1
-                # Counted when handed over: reads ahead of a miss or of an
-                # abandoned fetch complete too, but served nobody.
-                self.metrics.hit(1, obj.header.num_tokens, obj.nbytes)
-                yield obj
-        finally:
-            if stream.failed is not None:
-                what = "timed out" if isinstance(stream.failed, FutureTimeout) else f"failed: {self._describe(stream.failed)}"
-                log.warning("tier %s: read %s; the rest is recomputed", self.name, what)
-                self._guard(False, "load")
-            else:  # a clean miss is a healthy answer too (and ends a half-open probe)
-                self._guard(True, "load")
-            self.metrics.miss(len(keys) - served)
-            if served and stream.failed is None:
-                self._served(keys[:served])
-
-    def _served(self, keys: Sequence[ChunkKey]) -> None:
-        """``keys`` were served by one fetch (after the last was handed over)."""
-
-    def _describe(self, exc: BaseException) -> str:
-        return str(exc)

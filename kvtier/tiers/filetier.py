@@ -1,5 +1,7 @@
-"""Base of the directory tiers: verified parallel reads, atomic writes,
-circuit breaker and timeouts around every backend call.
+"""Base of the directory tiers (disk, shm, shared) and their common options:
+objects in an ``ObjectDir``, read and checked on the tier's pool
+(``PooledTier``), written atomically, circuit breaker and timeouts around
+every backend call.
 
 Threads: callers (any thread) submit jobs to this tier's own
 ``PriorityExecutor``; jobs run on its workers. Subclasses decide where an
@@ -12,29 +14,54 @@ from __future__ import annotations
 import errno
 import logging
 import time
+from dataclasses import dataclass
 from typing import Sequence
 
-from kvtier.codec import ChunkObject
+from kvtier.codec import ChunkObject, key_of
+from kvtier.config import ConfigError, opt, size_field
 from kvtier.engine.breaker import CircuitBreaker
-from kvtier.engine.executor import DELETE, STORE, PriorityExecutor
+from kvtier.engine.executor import DELETE, PriorityExecutor
 from kvtier.errors import CorruptObject
 from kvtier.keys import ChunkKey
-from kvtier.tiers.base import Tier
-from kvtier.tiers.files import FileTierConfig, ObjectDir, PooledIO
+from kvtier.tiers.files import ObjectDir
+from kvtier.tiers.pooled import PooledTier
 
 log = logging.getLogger(__name__)
 
-_DEFAULT_BYTES_PER_TOKEN = 16 << 10
+
+@dataclass(frozen=True)
+class FileTierConfig:
+    """Options common to directory tiers."""
+
+    path: str = opt("", "directory for objects (required)")
+    capacity: int = size_field(0, "bytes this tier may hold (required)")
+    name: str = opt("", "tier name in metrics and logs (defaults to the kind)")
+    o_direct: bool = opt(False, "read with O_DIRECT into aligned buffers instead of buffered reads with readahead "
+                         "(`kvtier bench storage` measures both on your storage)")
+    cold_reads: bool = opt(False, "drop each object from the page cache after reading it (benchmarks)")
+    read_window_bytes: int = size_field(64 << 20, "bytes of reads in flight per load")
+    io_threads: int = opt(16, "threads of this tier's I/O pool", ge=1)
+    fsync: bool = opt(False, "fsync each object before publishing (checksums already catch torn data)")
+
+    def validate(self, prefix: str = "") -> None:
+        if not self.path:
+            raise ConfigError(f"{prefix}path", "is required", "set the directory, e.g. path: /nvme/kvtier")
+        if self.capacity <= 0:
+            raise ConfigError(f"{prefix}capacity", "must be set", "set how much this tier may hold, e.g. capacity: 500GiB")
+        if self.io_threads <= 0:
+            raise ConfigError(f"{prefix}io_threads", "must be positive", "use e.g. 16")
+        if self.read_window_bytes <= 0:
+            raise ConfigError(f"{prefix}read_window_bytes", "must be positive", "use e.g. 64MiB")
 
 
-class FileTier(PooledIO, Tier):
+
+class FileTier(PooledTier):
     Config = FileTierConfig
 
     def __init__(self, config: FileTierConfig, metrics=None, breaker: CircuitBreaker | None = None, pool=None):
         super().__init__(config, metrics, breaker, pool)
         self.dir = ObjectDir(config.path, f"{self.name}.path")
         self.executor = PriorityExecutor(self.name, config.io_threads)
-        self._bytes_per_token = _DEFAULT_BYTES_PER_TOKEN
 
     # ------------------------------------------------------------ hooks
     def _admit(self, key: ChunkKey, obj: ChunkObject) -> bool:
@@ -94,9 +121,6 @@ class FileTier(PooledIO, Tier):
                 return n
         return len(objs)
 
-    def store_async(self, objs: Sequence[ChunkObject]):
-        return self.executor.submit(STORE, self.store, objs)
-
     def _store_one(self, key: ChunkKey, obj: ChunkObject) -> tuple[bool, str]:
         if self._exists(key):
             self.metrics.skipped()
@@ -138,8 +162,3 @@ class FileTier(PooledIO, Tier):
 
     def close(self) -> None:
         self.executor.close()
-
-
-def key_of(obj: ChunkObject) -> ChunkKey:
-    h = obj.header
-    return ChunkKey(h.key, h.check, h.ns, h.num_tokens)

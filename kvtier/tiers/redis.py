@@ -49,19 +49,17 @@ from redis.exceptions import RedisClusterException, RedisError
 from redis.retry import Retry
 
 from kvtier.buffers import align_up
-from kvtier.codec import HEADER_BLOCK, MAX_PAYLOAD, ChunkObject, decode
+from kvtier.codec import HEADER_BLOCK, MAX_PAYLOAD, ChunkObject, decode, key_of
 from kvtier.config import ConfigError, opt, size_field
-from kvtier.engine.executor import DELETE, LOAD, STORE, PriorityExecutor
+from kvtier.engine.executor import DELETE, LOAD, PriorityExecutor
 from kvtier.errors import CorruptObject
 from kvtier.keys import ChunkKey
-from kvtier.tiers.base import Tier, TierStats
-from kvtier.tiers.files import PooledIO
-from kvtier.tiers.filetier import key_of
+from kvtier.tiers.base import TierStats
+from kvtier.tiers.pooled import PooledTier
 from kvtier.tiers.redis_read import ReadPool, Redirected
 
 log = logging.getLogger(__name__)
 
-_DEFAULT_BYTES_PER_TOKEN = 16 << 10
 _MAX_VALUE = HEADER_BLOCK + MAX_PAYLOAD  # longer is not a chunk object: never read
 # What storage trouble looks like: redis-py's errors (the cluster client's
 # slot-map failures are not RedisErrors) and socket errors.
@@ -179,7 +177,7 @@ return {used, redis.call('ZCARD', KEYS[1])}
 """
 
 
-class RedisTier(PooledIO, Tier):
+class RedisTier(PooledTier):
     kind = "redis"
     Config = RedisConfig
 
@@ -196,7 +194,6 @@ class RedisTier(PooledIO, Tier):
         self._reads = ReadPool(config, max_idle=config.io_threads)
         self._scripts: dict[str, Any] = {}
         self._closed = False
-        self._bytes_per_token = _DEFAULT_BYTES_PER_TOKEN
         self._last_stats = (0, 0)  # objects, bytes: answered while the server is unreachable
 
     # ------------------------------------------------------------ client
@@ -270,7 +267,7 @@ class RedisTier(PooledIO, Tier):
         if not keys or not self.breaker.allow():
             return 0
         t0 = time.perf_counter()
-        fut = self.executor.submit(LOAD, self._exists, [self._name(k) for k in keys])
+        fut = self.executor.submit(LOAD, self._exists_all, [self._name(k) for k in keys])
         try:
             found = fut.result(timeout)
             ok = True
@@ -290,7 +287,10 @@ class RedisTier(PooledIO, Tier):
             n += 1
         return n
 
-    def _exists(self, names: Sequence[bytes]) -> list[bool]:
+    def _exists(self, key: ChunkKey) -> bool:
+        return self._exists_all([self._name(key)])[0]
+
+    def _exists_all(self, names: Sequence[bytes]) -> list[bool]:
         pipe = self._redis().pipeline(transaction=False)
         for name in names:
             pipe.exists(name)
@@ -390,7 +390,7 @@ class RedisTier(PooledIO, Tier):
     def _store(self, objs: Sequence[ChunkObject]) -> int:
         client = self._redis()
         names = [self._name(key_of(o)) for o in objs]
-        exists = self._exists(names)
+        exists = self._exists_all(names)
         args: list[Any] = [self.capacity]
         for name, obj in zip(names, objs):
             args += [name, obj.nbytes]
@@ -421,9 +421,6 @@ class RedisTier(PooledIO, Tier):
         for obj in wrote:
             self.metrics.wrote(obj.nbytes)
         return admitted
-
-    def store_async(self, objs: Sequence[ChunkObject]):
-        return self.executor.submit(STORE, self.store, objs)
 
     # ------------------------------------------------------------ delete, stats
     def delete(self, keys: Sequence[ChunkKey]) -> int:

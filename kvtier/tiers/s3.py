@@ -54,18 +54,18 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from kvtier.buffers import align_up
-from kvtier.codec import HEADER_BLOCK, MAX_PAYLOAD, ChunkObject, decode
+from kvtier.codec import HEADER_BLOCK, MAX_PAYLOAD, ChunkObject, decode, key_of
 from kvtier.config import ConfigError, check_watermarks, opt, size_field
 from kvtier.engine.executor import DELETE, MAINTENANCE, STORE, PriorityExecutor
 from kvtier.errors import CorruptObject
 from kvtier.keys import ChunkKey
-from kvtier.tiers.base import Tier, TierStats
+from kvtier.tiers.base import TierStats
 from kvtier.tiers import s3_http, s3lease
-from kvtier.tiers.files import LAYOUT_DIR, PooledIO
+from kvtier.tiers.files import LAYOUT_DIR
+from kvtier.tiers.pooled import PooledTier
 
 log = logging.getLogger(__name__)
 
-_DEFAULT_BYTES_PER_TOKEN = 16 << 10
 _NAME = re.compile(r"^(?:.*/)?" + LAYOUT_DIR + r"/([0-9a-f]{16})/([0-9a-f]{64})$")
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 _PREFIX = re.compile(r"^[A-Za-z0-9._\-/]{0,512}$")
@@ -159,7 +159,7 @@ class GcResult:
     reason: str = ""  # why it did not run
 
 
-class S3Tier(PooledIO, Tier):
+class S3Tier(PooledTier):
     kind = "s3"
     Config = S3Config
 
@@ -173,7 +173,6 @@ class S3Tier(PooledIO, Tier):
         self.base = f"{config.prefix}/{LAYOUT_DIR}" if config.prefix else LAYOUT_DIR
         self.capacity = config.capacity
         self.executor = PriorityExecutor(self.name, config.io_threads)
-        self._bytes_per_token = _DEFAULT_BYTES_PER_TOKEN
         self._lock = threading.Lock()
         self._client_obj: Any = None
         self._client_pid = -1
@@ -470,12 +469,8 @@ class S3Tier(PooledIO, Tier):
         self.metrics.dropped("error", ok.count(False))
         return n
 
-    def store_async(self, objs: Sequence[ChunkObject]):
-        return self.executor.submit(STORE, self.store, objs)
-
     def _name_of(self, obj: ChunkObject) -> str:
-        h = obj.header
-        return self.object_name(ChunkKey(h.key, h.check, h.ns, h.num_tokens))
+        return self.object_name(key_of(obj))
 
     def _known(self, name: str) -> bool:
         """This process wrote or read ``name`` within ``known_ttl_s``."""

@@ -32,8 +32,8 @@ from kvtier.config import check_watermarks, opt
 from kvtier.engine.executor import MAINTENANCE
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import TierStats
-from kvtier.tiers.filetier import FileTier
-from kvtier.tiers.files import FileTierConfig, _HOST, _pid_alive
+from kvtier.tiers.files import HOST, pid_alive
+from kvtier.tiers.filetier import FileTier, FileTierConfig
 
 log = logging.getLogger(__name__)
 
@@ -184,8 +184,8 @@ class SharedTier(FileTier):
         idempotent); the lease only spares redundant work.
         """
         token = secrets.token_hex(8)
-        body = json.dumps({"host": _HOST, "pid": os.getpid(), "time": time.time(), "token": token}).encode()
-        tmp = self.dir.tmp / f"{_HOST}.{os.getpid()}.{token}.lease"
+        body = json.dumps({"host": HOST, "pid": os.getpid(), "time": time.time(), "token": token}).encode()
+        tmp = self.dir.tmp / f"{HOST}.{os.getpid()}.{token}.lease"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(body)
@@ -221,7 +221,7 @@ class SharedTier(FileTier):
         try:
             info = json.loads(lease.read_bytes())
             age = time.time() - float(info["time"])
-            same_host_dead = info.get("host") == _HOST and not _pid_alive(int(info["pid"]))
+            same_host_dead = info.get("host") == HOST and not pid_alive(int(info["pid"]))
             if same_host_dead or age > self.config.lease_s:
                 return str(info.get("token", ""))
             return None

@@ -12,7 +12,7 @@ import pytest
 from kvtier.config import ConfigError
 from kvtier.engine.breaker import CircuitBreaker
 from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.files import _HOST, ObjectDir
+from kvtier.tiers.files import HOST, ObjectDir
 from tests.support import OBJ, assert_object, disk_config, make_chunks, payload_for
 
 
@@ -126,7 +126,7 @@ def test_orphaned_temp_files_are_swept_on_start(open_disk, tmp_path):
     tier = open_disk()
     tier.close()
     tmp = tier.dir.tmp
-    leftovers = [f"{_HOST}.999999999.abcd.tmp", f"otherhost.{os.getpid()}.ef01.tmp", "garbage"]
+    leftovers = [f"{HOST}.999999999.abcd.tmp", f"otherhost.{os.getpid()}.ef01.tmp", "garbage"]
     for name in leftovers:
         (tmp / name).write_bytes(b"partial")
         os.utime(tmp / name, (time.time() - 5, time.time() - 5))

@@ -19,7 +19,7 @@ import pytest
 
 from kvtier.codec import HEADER_BLOCK
 from kvtier.metrics import Metrics
-from kvtier.tiers.files import _HOST, ObjectDir
+from kvtier.tiers.files import HOST, ObjectDir
 from kvtier.tiers.shared import SharedTier
 from tests.support import OBJ, assert_object, make_chunks, shared_config
 from tests.tiers import shared_worker
@@ -247,7 +247,7 @@ def test_a_dead_collectors_lease_is_taken_over(open_shared):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     lease = tier.dir.base / "gc.lease"
-    lease.write_text(json.dumps({"host": _HOST, "pid": dead.pid, "time": time.time()}))
+    lease.write_text(json.dumps({"host": HOST, "pid": dead.pid, "time": time.time()}))
     assert tier.gc().ran
 
 
@@ -358,8 +358,8 @@ def test_start_sweeps_dead_writers_and_old_files_only(tmp_path):
     dead.wait()
     old = time.time() - 7200
     names = {
-        f"{_HOST}.{dead.pid}.aa.tmp": None,  # this host, writer gone: swept
-        f"{_HOST}.{os.getpid()}.bb.tmp": None,  # this host, writer alive: kept
+        f"{HOST}.{dead.pid}.aa.tmp": None,  # this host, writer gone: swept
+        f"{HOST}.{os.getpid()}.bb.tmp": None,  # this host, writer alive: kept
         f"otherhost.{dead.pid}.cc.tmp": None,  # another host, fresh: kept
         f"otherhost.{os.getpid()}.dd.tmp": old,  # another host, old: swept
     }
@@ -368,7 +368,7 @@ def test_start_sweeps_dead_writers_and_old_files_only(tmp_path):
         if mtime:
             os.utime(d.tmp / name, (mtime, mtime))
     SharedTier(shared_config(tmp_path / "s")).close()
-    assert sorted(os.listdir(d.tmp)) == sorted([f"{_HOST}.{os.getpid()}.bb.tmp", f"otherhost.{dead.pid}.cc.tmp"])
+    assert sorted(os.listdir(d.tmp)) == sorted([f"{HOST}.{os.getpid()}.bb.tmp", f"otherhost.{dead.pid}.cc.tmp"])
 
 
 def test_layout_names_hold_only_digests_and_are_private(open_shared):
@@ -444,7 +444,7 @@ def test_a_writer_killed_mid_write_leaves_nothing_partial(tmp_path):
             p.wait(30)
         mine = shared_worker.big_keys(seed)
         keys += mine
-        left_behind += sum(1 for f in os.listdir(d.tmp) if f.startswith(f"{_HOST}.{p.pid}."))
+        left_behind += sum(1 for f in os.listdir(d.tmp) if f.startswith(f"{HOST}.{p.pid}."))
         _verify_directory(root, keys, only=set(mine))  # what it published is whole, or absent
     assert left_behind > 0, "no writer was killed mid-write; the test proved nothing"
     SharedTier(shared_config(root)).close()  # the next start sweeps dead writers' files
@@ -464,7 +464,7 @@ def test_sweep_tmp_removes_a_killed_writers_files(tmp_path):
         finally:
             p.kill()
             p.wait(30)
-        orphans = [f for f in os.listdir(d.tmp) if f.startswith(f"{_HOST}.{p.pid}.")]
+        orphans = [f for f in os.listdir(d.tmp) if f.startswith(f"{HOST}.{p.pid}.")]
         if orphans:
             break
     assert orphans, "never caught a writer mid-write"

@@ -1,0 +1,137 @@
+"""``PooledTier``: what the directory, Redis and S3 tiers share, the
+machinery of lookups and reads on the tier's own pool.
+
+Threads: callers (any thread) submit jobs to the tier's ``PriorityExecutor``;
+jobs run on its workers; ``fetch`` hands objects over on the caller's thread.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import time
+from concurrent.futures import Future, TimeoutError as FutureTimeout
+from typing import Iterator, Sequence
+
+from kvtier.codec import ChunkObject
+from kvtier.engine.executor import LOAD, STORE, PriorityExecutor
+from kvtier.keys import ChunkKey
+from kvtier.tiers.base import Tier
+from kvtier.tiers.readstream import ReadStream
+
+log = logging.getLogger(__name__)
+
+# What a read window assumes an object weighs per token before the tier has
+# read one (a tier learns the real figure from each object it reads).
+DEFAULT_BYTES_PER_TOKEN = 16 << 10
+
+
+class PooledTier(Tier):
+    """The base of the tiers that read and check one object per call on a
+    pool of their own: the directory tiers (disk, shm, shared), Redis and S3.
+    Every call runs on the tier's pool, guarded by its circuit breaker.
+    ``lookup`` runs one existence check per key in parallel (a round trip
+    each on a network backend) within a deadline; ``fetch`` reads objects one
+    at a time within a byte window (``ReadStream``); ``store_async`` runs
+    ``store`` on the pool.
+
+    A subclass sets ``executor`` (its ``PriorityExecutor``) in its
+    constructor and implements ``_exists(key)`` and ``_read_one(key)``
+    (object, None for a miss, raises for backend trouble) besides the rest of
+    ``Tier``; it sets ``_backend_errors`` (the exceptions that mean backend
+    trouble) and may override ``_served(keys)`` to record the reads it
+    served and ``_describe(exc)`` to shorten backend errors in logs.
+    ``_bytes_per_token`` (the read window's estimate of an object's size
+    before it is read) starts at ``DEFAULT_BYTES_PER_TOKEN``; a tier updates
+    it from the objects it reads.
+    """
+
+    executor: PriorityExecutor
+    _backend_errors: tuple[type[BaseException], ...] = (OSError,)
+
+    def __init__(self, config, metrics=None, breaker=None, pool=None):
+        super().__init__(config, metrics, breaker, pool)
+        self._bytes_per_token = DEFAULT_BYTES_PER_TOKEN
+
+    @abc.abstractmethod
+    def _exists(self, key: ChunkKey) -> bool:
+        """Whether the backend holds ``key``'s object (runs on the pool;
+        raises one of ``_backend_errors`` for trouble)."""
+
+    @abc.abstractmethod
+    def _read_one(self, key: ChunkKey) -> ChunkObject | None:
+        """Read and verify ``key``'s object into a pooled buffer (runs on the
+        pool): the object with its reference, None for a miss; raises for
+        backend trouble, which ends the stream."""
+
+    def store_async(self, objs: Sequence[ChunkObject]) -> Future:
+        return self.executor.submit(STORE, self.store, objs)
+
+    def _guard(self, ok: bool, op: str) -> None:
+        self.breaker.record(ok)
+        self.metrics.breaker(self.breaker.state != "closed")
+        if not ok:
+            self.metrics.error(op)
+
+    def lookup(self, keys: Sequence[ChunkKey], timeout: float | None = None) -> int:
+        """Existence checks in parallel on the pool; the answer is the leading
+        run of hits. Past ``timeout`` the answer is 0 (the request recomputes)."""
+        if not keys or not self.breaker.allow():
+            return 0
+        t0 = time.perf_counter()
+        deadline = None if timeout is None else t0 + timeout
+        futs = [self.executor.submit(LOAD, self._exists, k) for k in keys]
+        n, ok = 0, True
+        try:
+            for f in futs:
+                remaining = None if deadline is None else max(0.0, deadline - time.perf_counter())
+                if not f.result(remaining):
+                    break
+                n += 1
+        except FutureTimeout:
+            log.warning("tier %s: lookup timed out after %.1fs; treating as a miss", self.name, timeout)
+            n, ok = 0, False
+        except self._backend_errors as exc:
+            log.warning("tier %s: lookup failed: %s", self.name, self._describe(exc))
+            n, ok = 0, False
+        finally:
+            for f in futs:
+                f.cancel()
+        self._guard(ok, "lookup")
+        self.metrics.observe("lookup", time.perf_counter() - t0)
+        return n
+
+    def fetch(self, keys: Sequence[ChunkKey], timeout: float | None = None) -> Iterator[ChunkObject]:
+        if not keys:
+            return iter(())
+        if not self.breaker.allow():
+            self.metrics.miss(len(keys))
+            return iter(())
+        stream = ReadStream(self.executor, keys, self._read_one, self.config.read_window_bytes, lambda: self._bytes_per_token)
+        return self._drain(stream, keys, timeout)
+
+    def _drain(self, stream: ReadStream, keys: Sequence[ChunkKey], timeout: float | None) -> Iterator[ChunkObject]:
+        served = 0
+        try:
+            for obj in stream.iter(timeout):
+                served += 1
+                # Counted when handed over: reads ahead of a miss or of an
+                # abandoned fetch complete too, but served nobody.
+                self.metrics.hit(1, obj.header.num_tokens, obj.nbytes)
+                yield obj
+        finally:
+            if stream.failed is not None:
+                what = "timed out" if isinstance(stream.failed, FutureTimeout) else f"failed: {self._describe(stream.failed)}"
+                log.warning("tier %s: read %s; the rest is recomputed", self.name, what)
+                self._guard(False, "load")
+            else:  # a clean miss is a healthy answer too (and ends a half-open probe)
+                self._guard(True, "load")
+            self.metrics.miss(len(keys) - served)
+            if served and stream.failed is None:
+                self._served(keys[:served])
+
+    def _served(self, keys: Sequence[ChunkKey]) -> None:
+        """``keys`` were served by one fetch (after the last was handed over)."""
+
+    def _describe(self, exc: BaseException) -> str:
+        return str(exc)
