@@ -134,17 +134,15 @@ class TieredStore:
                 got = 0
                 for obj in it:
                     got += 1
-                    if not tier.persistent:
-                        yield obj  # lent by the memory tier, pinned meanwhile
-                        continue
                     try:
                         yield obj
                         # The consumer is done with it: now the memory tier may
-                        # take it (and later evict and recycle it).
-                        if promote and self.memory is not None and tier is not self.memory:
+                        # take it (and later evict and recycle it). What a
+                        # non-persistent tier lends stays that tier's.
+                        if promote and self.memory is not None and tier is not self.memory and tier.persistent:
                             self.memory.store([obj])
                     finally:
-                        obj.release()
+                        tier.done_with(obj)
                 if got < want:
                     return
         finally:

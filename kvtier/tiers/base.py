@@ -1,33 +1,49 @@
-"""The one contract every tier implements.
+"""The one contract every tier implements, whole: everything ``TieredStore``
+(``engine/store.py``) calls on a tier is declared here.
 
     lookup(keys)        -> how many leading keys the tier holds
     fetch(keys, ...)    -> iterator over the leading objects it can serve,
                            verified, in order; stops at the first miss
+    done_with(obj)      -> the consumer of ``fetch`` is done with ``obj``
     load(keys, bufs)    -> copy leading payloads into caller-owned buffers
     store(objs)         -> how many leading objects are now held
+    store_async(objs)   -> a future of ``store(objs)`` (write-through)
     delete(keys)        -> how many were removed
     stats()             -> TierStats
     close()
+
+and the attributes ``name``, ``kind``, ``config``, ``metrics`` (its
+``TierMetrics``), ``breaker``, ``persistent`` and ``host_memory``.
 
 Keys are ``ChunkKey``; objects are ``ChunkObject``. Every method is batched.
 A tier never raises for storage trouble: it counts it and answers with a
 shorter prefix.
 
-Objects yielded by ``fetch`` are lent: valid until the consumer resumes the
-iterator. A persistent tier hands each object over with its reference (the
-consumer calls ``release`` when done, or ``retain`` to keep it longer); the
-memory tier keeps its own reference and pins the entry while it is lent.
-``persistent`` tells which. ``host_memory`` marks the tiers that keep chunks
-in host DRAM (the process-local ``memory`` tier, the node-wide ``shm`` tier):
-the store's first such tier is its memory level. Buffers passed to ``load`` belong to the caller and
-are only written before ``load`` returns.
+Who owns a fetched object: the tier says, through ``done_with``. Objects
+yielded by ``fetch`` are valid until the consumer resumes the iterator or,
+past that, until it calls ``done_with(obj)`` (``obj.retain()`` keeps one
+longer, released by the consumer). By default a tier hands each object over
+with its reference and ``done_with`` releases it; the memory tier lends its
+own, pinned while lent, and its ``done_with`` does nothing.
+
+``persistent``: the tier's objects outlive the process (it is a
+write-through target and a reopened tier still holds them). ``host_memory``
+marks the tiers that keep chunks in host DRAM (the process-local ``memory``
+tier, the node-wide ``shm`` tier): the store's first such tier is its memory
+level. Buffers passed to ``load`` belong to the caller and are only written
+before ``load`` returns.
+
+Optional abilities are protocols beside the contract, never probed by name:
+``Maintenance`` (``clear``, ``drop_cache``) for tests, benchmarks and
+administration; check with ``isinstance(tier, Maintenance)``.
 """
 
 from __future__ import annotations
 
 import abc
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import ClassVar, Iterator, Sequence
+from typing import ClassVar, Iterator, Protocol, Sequence, runtime_checkable
 
 from kvtier.buffers import BufferPool, copy_into
 from kvtier.codec import ChunkObject
@@ -76,6 +92,24 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     def store(self, objs: Sequence[ChunkObject]) -> int: ...
 
+    def store_async(self, objs: Sequence[ChunkObject]) -> "Future[int]":
+        """``store(objs)`` in the background: the store's write-through. The
+        objects stay valid until the future is done (the caller holds a
+        reference each). This default stores at once on the caller's thread
+        and returns a finished future; tiers with a pool of their own run it
+        there (``PooledTier``)."""
+        fut: Future[int] = Future()
+        try:
+            fut.set_result(self.store(objs))
+        except Exception as exc:
+            fut.set_exception(exc)
+        return fut
+
+    def done_with(self, obj: ChunkObject) -> None:
+        """The consumer of ``fetch`` is done with ``obj``: by default the
+        object was handed over with its reference, released here."""
+        obj.release()
+
     @abc.abstractmethod
     def delete(self, keys: Sequence[ChunkKey]) -> int: ...
 
@@ -100,8 +134,7 @@ class Tier(abc.ABC):
                     copy_into(memoryview(buf).cast("B"), obj.payload)
                     n += 1
                 finally:
-                    if self.persistent:
-                        obj.release()
+                    self.done_with(obj)
         finally:
             close = getattr(it, "close", None)
             if close is not None:
@@ -113,3 +146,19 @@ class Tier(abc.ABC):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@runtime_checkable
+class Maintenance(Protocol):
+    """Optional maintenance of a tier (tests, benchmarks, administration):
+    ``isinstance(tier, Maintenance)`` tells whether a tier has it. The memory,
+    node-memory and directory tiers do; the network tiers do not."""
+
+    def clear(self) -> int:
+        """Remove the objects this tier may remove on its own; how many."""
+        ...
+
+    def drop_cache(self) -> int:
+        """Drop this tier's objects from the OS page cache so that the next
+        reads are cold; how many objects (0 where the tier is memory)."""
+        ...

@@ -152,6 +152,13 @@ class MemoryTier(Tier):
         self.metrics.used(used)
         return n
 
+    def done_with(self, obj: ChunkObject) -> None:
+        """Nothing to release: ``fetch`` lends the tier's own reference,
+        the entry pinned until the fetch moves on (or ends)."""
+
+    def drop_cache(self) -> int:
+        return 0  # no files: the entries are the cache
+
     def clear(self) -> int:
         """Drop every unpinned entry; returns how many."""
         with self._lock:

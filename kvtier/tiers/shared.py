@@ -254,6 +254,11 @@ class SharedTier(FileTier):
         self.metrics.used(used)
         return n
 
+    def clear(self) -> int:
+        """Removes nothing: a store that other processes and nodes share is
+        emptied by its collector (``gc``), never by one of its clients."""
+        return 0
+
     def stats(self) -> TierStats:
         with self._lock:
             return TierStats(self.name, self.kind, self._objects_estimate, self._used_estimate, self.capacity)
