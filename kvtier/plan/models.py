@@ -13,11 +13,12 @@ both and compares what each holds):
                  pinned when a store runs.)
     SharedModel  SharedTier: objects carry an access stamp (mtime), set on
                  write, on a re-store of a held key, and on a read at most
-                 once per ``touch_interval_s``; a collection pass deletes the
-                 oldest stamps once usage exceeds ``high_watermark`` until it
-                 is at most ``low_watermark``. Passes run on the first write,
-                 then on writes once ``gc_interval_s`` has passed, sooner
-                 (every min(interval, 5 s)) while over the high watermark.
+                 once per ``touch_interval_s``. Collection follows the tiers'
+                 own policy object (``tiers/collector.WatermarkPolicy``): a
+                 pass deletes the oldest stamps once usage exceeds the high
+                 watermark until it is at most the low one; passes run when
+                 the policy says one is due (first write, every interval,
+                 sooner while over the high watermark).
     EngineModel  vLLM's prefix cache: blocks of a finished request go to the
                  free queue (tail blocks first, so they are evicted first);
                  a new request's blocks are taken from the cold end.
@@ -30,6 +31,8 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+
+from kvtier.tiers.collector import WatermarkPolicy
 
 
 class LRUModel:
@@ -81,12 +84,10 @@ class SharedModel:
     __slots__ = (
         "capacity",
         "evictions",
-        "gc_interval_s",
         "gc_passes",
-        "high",
         "last_gc",
-        "low",
         "on_event",
+        "policy",
         "sizes",
         "stamps",
         "touch_interval_s",
@@ -97,9 +98,8 @@ class SharedModel:
                  touch_interval_s: float = 60.0, gc_interval_s: float = 60.0,
                  on_event: Callable[[int, int], None] | None = None):
         self.capacity = capacity
-        self.high, self.low = high_watermark, low_watermark
+        self.policy = WatermarkPolicy(capacity, high_watermark, low_watermark, gc_interval_s)
         self.touch_interval_s = touch_interval_s
-        self.gc_interval_s = gc_interval_s
         self.used = 0
         self.stamps: OrderedDict[int, float] = OrderedDict()  # oldest stamp first
         self.sizes: dict[int, int] = {}
@@ -139,12 +139,8 @@ class SharedModel:
         return True
 
     def _maybe_gc(self, now: float) -> None:
-        interval = self.gc_interval_s
-        if interval <= 0:
-            return
         since = now - self.last_gc if self.last_gc is not None else float("inf")
-        over = self.used > self.high * self.capacity
-        if since >= interval or (over and since >= min(interval, 5.0)):
+        if self.policy.due(self.used, since):
             self.gc(now)
 
     def gc(self, now: float | None = None) -> int:
@@ -152,9 +148,9 @@ class SharedModel:
         self.gc_passes += 1
         if now is not None:
             self.last_gc = now
-        if self.used <= self.high * self.capacity:
+        if not self.policy.over(self.used):
             return 0
-        target = self.low * self.capacity
+        target = self.policy.target
         n = 0
         while self.stamps and self.used > target:
             key, _ = self.stamps.popitem(last=False)

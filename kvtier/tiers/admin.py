@@ -151,7 +151,7 @@ class AdminStore:
 
     def _disk_gc(self, cfg):
         from kvtier.tiers.disk import DiskConfig, DiskTier
-        from kvtier.tiers.shared import GcResult
+        from kvtier.tiers.collector import GcResult
 
         t0 = time.monotonic()
         entries = list(self.dir.scan())

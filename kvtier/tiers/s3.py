@@ -61,6 +61,7 @@ from kvtier.errors import CorruptObject
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import TierStats
 from kvtier.tiers import s3_http, s3lease
+from kvtier.tiers.collector import Collector, GcResult, Trigger, WatermarkPolicy
 from kvtier.tiers.files import LAYOUT_DIR
 from kvtier.tiers.pooled import PooledTier
 
@@ -148,17 +149,6 @@ class S3Config:
         check_watermarks(prefix, self.low_watermark, self.high_watermark)
 
 
-@dataclass(frozen=True)
-class GcResult:
-    ran: bool
-    objects: int
-    bytes_before: int
-    deleted: int
-    bytes_after: int
-    seconds: float
-    reason: str = ""  # why it did not run
-
-
 class S3Tier(PooledTier):
     kind = "s3"
     Config = S3Config
@@ -181,9 +171,11 @@ class S3Tier(PooledTier):
         self._touching: set[str] = set()
         self._used_estimate = 0  # last listing + own writes and deletes since
         self._objects_estimate = 0
-        self._last_gc: float | None = None
-        self._gc_pending = False
         self._no_lease = False  # the server refused conditional requests
+        self._trigger = Trigger(WatermarkPolicy.of(config))
+        self._collector: Collector[tuple[str, int, float]] = Collector(
+            self.name, self._trigger.policy, _Leases(self), self.metrics,
+            (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError))
         # GETs and HEADs as presigned plain HTTP requests (s3_http), unless a
         # proxy stands between us and the endpoint.
         self._http = (s3_http.PresignedHTTP(config, self._client, max_idle=config.io_threads + 8)
@@ -532,19 +524,13 @@ class S3Tier(PooledTier):
             self._used_estimate += nbytes
             self._objects_estimate += 1
             used = self._used_estimate
-            interval = self.config.gc_interval_s
-            since = time.monotonic() - self._last_gc if self._last_gc is not None else float("inf")
-            over = used > self.config.high_watermark * self.capacity
-            due = interval > 0 and not self._gc_pending and (since >= interval or (over and since >= min(interval, 5.0)))
-            if due:
-                self._gc_pending = True
+        due = self._trigger.due(used)
         self.metrics.used(used)
         if due:
             try:
                 fut = self.executor.submit(MAINTENANCE, self._auto_gc)
             except RuntimeError:  # closing: the next instance collects
-                with self._lock:
-                    self._gc_pending = False
+                self._trigger.cancel()
                 return
             fut.add_done_callback(_log_failure(self.name, "collection"))
 
@@ -552,9 +538,7 @@ class S3Tier(PooledTier):
         try:
             self.gc()
         finally:
-            with self._lock:
-                self._gc_pending = False
-                self._last_gc = time.monotonic()
+            self._trigger.done()
 
     # ------------------------------------------------------------ delete
     def delete(self, keys: Sequence[ChunkKey]) -> int:
@@ -597,67 +581,44 @@ class S3Tier(PooledTier):
 
     # ------------------------------------------------------------ gc
     def gc(self, dry_run: bool = False) -> GcResult:
-        """One collection pass over the prefix (a worker or any caller thread).
-        Returns ``ran=False`` (with a reason) if the store could not be listed
-        or another collector holds the lease. A dry run takes no lease."""
-        t0 = time.monotonic()
-        lease: s3lease.Lease | None = None
-        if not dry_run:
-            try:
-                lease = self._take_lease()
-            except (self._errors.BotoCoreError, self._errors.ClientError) as exc:
-                log.warning("tier %s: collection skipped, lease request failed: %s", self.name, _brief(exc))
-                self.metrics.error("gc")
-                return GcResult(False, 0, 0, 0, 0, time.monotonic() - t0, "lease request failed")
-            if lease is None:
-                return GcResult(False, 0, 0, 0, 0, time.monotonic() - t0, "another collector holds the lease")
-        try:
-            try:
-                entries = self._list()
-            except (self._errors.BotoCoreError, self._errors.ClientError) as exc:
-                log.warning("tier %s: collection could not list %s: %s", self.name, self.bucket, _brief(exc))
-                self.metrics.error("gc")
-                return GcResult(False, 0, 0, 0, 0, time.monotonic() - t0, "listing failed")
-            return self._collect(entries, dry_run, lease, t0)
-        finally:
-            if lease is not None and lease is not _NO_LEASE:
-                self._release_lease(lease)
+        """One collection pass over the prefix (``Collector``; a worker or any
+        caller thread). Returns ``ran=False`` (with a reason) if the store
+        could not be listed or another collector holds the lease. A dry run
+        takes no lease."""
+        access: dict[str, float] = {}
+
+        def listing() -> list[tuple[str, int, float]]:
+            entries = self._list()
+            with self._lock:
+                access.update(self._access)
+            return entries
+
+        return self._collector.collect(listing, _entry_size, lambda e: max(e[2], access.get(e[0], 0.0)),
+                                       self._gc_delete, dry_run, self._gc_finish(dry_run))
 
     def _collect(self, entries: list[tuple[str, int, float]], dry_run: bool, lease: s3lease.Lease | None, t0: float) -> GcResult:
+        """The pass over listed ``entries`` under ``lease`` (taken by the caller)."""
         with self._lock:
             access = dict(self._access)
-        total = sum(size for _, size, _ in entries)
-        deleted = 0
-        after = total
-        if total > self.config.high_watermark * self.capacity:
-            target = self.config.low_watermark * self.capacity
-            # Least recent first: the later of LastModified and our own access.
-            entries.sort(key=lambda e: max(e[2], access.get(e[0], 0.0)))
-            for name, size, _ in entries:
-                if after <= target:
-                    break
-                if lease is not None and not lease.valid():
-                    log.warning("tier %s: collection stopped, its lease ran out (raise gc_lease_s)", self.name)
-                    break
-                if not dry_run:
-                    try:
-                        self._client().delete_object(Bucket=self.bucket, Key=name)
-                    except (self._errors.BotoCoreError, self._errors.ClientError) as exc:
-                        log.warning("tier %s: collection stopped, delete failed: %s", self.name, _brief(exc))
-                        self.metrics.error("gc")
-                        break
-                    with self._lock:
-                        self._access.pop(name, None)
-                after -= size
-                deleted += 1
-        if not dry_run:
-            if deleted:
-                self.metrics.evicted(deleted)
-            with self._lock:
-                self._used_estimate = after
-                self._objects_estimate = len(entries) - deleted
-            self.metrics.used(after)
-        return GcResult(True, len(entries), total, deleted, after, time.monotonic() - t0)
+        return self._collector.sweep(entries, _entry_size, lambda e: max(e[2], access.get(e[0], 0.0)),
+                                     self._gc_delete, lease, dry_run, self._gc_finish(dry_run), t0)
+
+    def _gc_delete(self, entry: tuple[str, int, float]) -> bool:
+        self._client().delete_object(Bucket=self.bucket, Key=entry[0])
+        with self._lock:
+            self._access.pop(entry[0], None)
+        return True
+
+    def _gc_finish(self, dry_run: bool):
+        def finish(r: GcResult) -> GcResult:
+            if not dry_run:
+                with self._lock:
+                    self._used_estimate = r.bytes_after
+                    self._objects_estimate = r.objects - r.deleted
+                self.metrics.used(r.bytes_after)
+            return r
+
+        return finish
 
     def _take_lease(self) -> s3lease.Lease | None:
         """The collector lease, ``_NO_LEASE`` where the server cannot give one
@@ -698,6 +659,24 @@ class S3Tier(PooledTier):
         self.executor.close()
         if self._http is not None:
             self._http.close()
+
+
+class _Leases:
+    """The S3 collector lease as ``collector.Leases`` (``s3lease``)."""
+
+    def __init__(self, tier: S3Tier):
+        self._tier = tier
+
+    def take(self) -> s3lease.Lease | None:
+        return self._tier._take_lease()
+
+    def release(self, lease: s3lease.Lease) -> None:
+        if lease is not _NO_LEASE:
+            self._tier._release_lease(lease)
+
+
+def _entry_size(entry: tuple[str, int, float]) -> int:
+    return entry[1]
 
 
 def _brief(exc: BaseException) -> str:

@@ -1,0 +1,240 @@
+"""The watermark collector of the tiers many instances share (a directory on
+a shared mount, S3): one policy, one trigger, one pass, one result type, over
+a lease protocol each tier implements for its storage.
+
+Policy (``WatermarkPolicy``): once usage passes ``high_watermark`` of
+capacity, delete the least recently used objects until usage is at most
+``low_watermark``. An instance starts a pass on its first write, then once
+``interval_s`` has passed since its last pass, sooner (at most every 5 s)
+while its view of usage is over the high watermark. The capacity planner
+(``plan/models.py``) models the same policy object.
+
+A pass (``Collector.collect``) takes the tier's lease (``Leases``: at most
+one pass per store at a time; deletes are idempotent, so two passes at once
+only duplicate work), lists the objects, deletes the victims while the lease
+is valid, lets the tier finish inside the lease (sweeps, usage figures) and
+releases it.
+
+Threads: ``Trigger`` is thread-safe (callers of ``store`` on any thread);
+a pass runs on whichever thread calls it (a tier's MAINTENANCE job, or a
+caller of ``gc``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, replace
+from typing import Callable, Generic, Protocol, Sequence, TypeVar
+
+log = logging.getLogger(__name__)
+
+E = TypeVar("E")
+
+
+@dataclass(frozen=True)
+class GcResult:
+    ran: bool
+    objects: int = 0
+    bytes_before: int = 0
+    deleted: int = 0
+    bytes_after: int = 0
+    tmp_swept: int = 0
+    quarantine_swept: int = 0
+    seconds: float = 0.0
+    victims: tuple = ()  # a dry run's plan: the objects a pass would delete, least recent first
+    reason: str = ""  # why it did not run
+
+
+@dataclass(frozen=True)
+class WatermarkPolicy:
+    capacity: int
+    high_watermark: float
+    low_watermark: float
+    interval_s: float = 0.0  # seconds between an instance's passes (0: never on its own)
+
+    @classmethod
+    def of(cls, config) -> "WatermarkPolicy":
+        """From a tier config with ``capacity``, the watermarks and ``gc_interval_s``."""
+        return cls(config.capacity, config.high_watermark, config.low_watermark, config.gc_interval_s)
+
+    def over(self, used: int) -> bool:
+        return used > self.high_watermark * self.capacity
+
+    @property
+    def target(self) -> float:
+        return self.low_watermark * self.capacity
+
+    def due(self, used: int, since_last: float) -> bool:
+        """Whether an instance whose last pass was ``since_last`` seconds ago
+        (inf: none yet) and whose view of usage is ``used`` starts one."""
+        interval = self.interval_s
+        return interval > 0 and (since_last >= interval or (self.over(used) and since_last >= min(interval, 5.0)))
+
+    def victims(self, entries: Sequence[E], size: Callable[[E], int], recency: Callable[[E], float]) -> tuple[int, list[E]]:
+        """(total bytes, the objects a pass deletes, least recent first)."""
+        total = sum(size(e) for e in entries)
+        out: list[E] = []
+        if self.over(total):
+            after, target = total, self.target
+            for e in sorted(entries, key=recency):
+                if after <= target:
+                    break
+                out.append(e)
+                after -= size(e)
+        return total, out
+
+
+class Trigger:
+    """When an instance starts a background pass: ``due(used)`` on each of its
+    writes (True at most once until ``done``), ``done()`` when the pass ended,
+    ``cancel()`` when it could not be started."""
+
+    def __init__(self, policy: WatermarkPolicy, clock: Callable[[], float] = time.monotonic):
+        self.policy = policy
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._last: float | None = None  # no pass yet: the first write starts one
+        self._pending = False
+
+    @property
+    def pending(self) -> bool:
+        """A pass was started and has not ended."""
+        with self._lock:
+            return self._pending
+
+    @property
+    def last(self) -> float | None:
+        """When the last pass ended (the clock's time; None: none yet)."""
+        with self._lock:
+            return self._last
+
+    def due(self, used: int) -> bool:
+        with self._lock:
+            since = self._clock() - self._last if self._last is not None else float("inf")
+            if self._pending or not self.policy.due(used, since):
+                return False
+            self._pending = True
+            return True
+
+    def done(self) -> None:
+        with self._lock:
+            self._pending = False
+            self._last = self._clock()
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._pending = False
+
+
+class Lease(Protocol):
+    def valid(self) -> bool:
+        """Whether the holder may still delete."""
+        ...
+
+
+class Leases(Protocol):
+    """A tier's collector lease: ``take`` returns a lease, or None while
+    another collector holds a live one (raises for backend trouble);
+    ``release`` gives it up (only if it is still ours)."""
+
+    def take(self) -> Lease | None: ...
+
+    def release(self, lease: Lease) -> None: ...
+
+
+class Collector(Generic[E]):
+    """One collection pass over a tier's objects.
+
+    The tier gives ``list_entries`` (every object: raises ``trouble`` when it
+    cannot list), ``size`` and ``recency`` of an entry, ``delete`` (True if
+    it removed the object, False if it was gone; raises ``trouble`` to stop
+    the pass) and ``trouble`` (the exceptions that mean backend trouble:
+    logged and counted as a pass that did not run or stopped early; others
+    propagate).
+    """
+
+    def __init__(self, name: str, policy: WatermarkPolicy, leases: Leases, metrics, trouble: tuple[type[BaseException], ...] = ()):
+        self.name = name
+        self.policy = policy
+        self.leases = leases
+        self.metrics = metrics
+        self.trouble = trouble
+
+    def collect(
+        self,
+        list_entries: Callable[[], list[E]],
+        size: Callable[[E], int],
+        recency: Callable[[E], float],
+        delete: Callable[[E], bool],
+        dry_run: bool = False,
+        finish: Callable[[GcResult], GcResult] = lambda r: r,
+    ) -> GcResult:
+        """One pass; a dry run takes no lease and deletes nothing (its result
+        carries the victims). ``finish`` runs inside the lease with the
+        pass's result and returns the final one (the tier's own sweeps and
+        usage figures)."""
+        t0 = time.monotonic()
+        lease: Lease | None = None
+        if not dry_run:
+            try:
+                lease = self.leases.take()
+            except self.trouble as exc:
+                log.warning("tier %s: collection skipped, lease request failed: %s", self.name, _brief(exc))
+                self.metrics.error("gc")
+                return GcResult(False, seconds=time.monotonic() - t0, reason="lease request failed")
+            if lease is None:
+                return GcResult(False, seconds=time.monotonic() - t0, reason="another collector holds the lease")
+        try:
+            try:
+                entries = list_entries()
+            except self.trouble as exc:
+                log.warning("tier %s: collection could not list its objects: %s", self.name, _brief(exc))
+                self.metrics.error("gc")
+                return GcResult(False, seconds=time.monotonic() - t0, reason="listing failed")
+            return self.sweep(entries, size, recency, delete, lease, dry_run, finish, t0)
+        finally:
+            if lease is not None:
+                self.leases.release(lease)
+
+    def sweep(
+        self,
+        entries: list[E],
+        size: Callable[[E], int],
+        recency: Callable[[E], float],
+        delete: Callable[[E], bool],
+        lease: Lease | None,
+        dry_run: bool,
+        finish: Callable[[GcResult], GcResult] = lambda r: r,
+        t0: float | None = None,
+    ) -> GcResult:
+        """The pass over listed ``entries`` under ``lease`` (held by the
+        caller; None: none): deletes the policy's victims while the lease is
+        valid."""
+        t0 = time.monotonic() if t0 is None else t0
+        total, victims = self.policy.victims(entries, size, recency)
+        after, deleted = total, 0
+        for e in victims:
+            if lease is not None and not lease.valid():
+                log.warning("tier %s: collection stopped, its lease ran out (raise its lease time)", self.name)
+                break
+            if not dry_run:
+                try:
+                    if not delete(e):
+                        continue  # gone meanwhile (or not ours to remove)
+                except self.trouble as exc:
+                    log.warning("tier %s: collection stopped, delete failed: %s", self.name, _brief(exc))
+                    self.metrics.error("gc")
+                    break
+            after -= size(e)
+            deleted += 1
+        if not dry_run and deleted:
+            self.metrics.evicted(deleted)
+        result = finish(GcResult(True, len(entries), total, deleted, after,
+                                 victims=tuple(victims) if dry_run else ()))
+        return replace(result, seconds=time.monotonic() - t0)
+
+
+def _brief(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
