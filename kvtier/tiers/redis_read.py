@@ -25,6 +25,7 @@ uses its parent's sockets.
 from __future__ import annotations
 
 import os
+import select
 import socket
 import ssl
 import threading
@@ -156,6 +157,17 @@ class ReadConnection:
         return buf, n
 
 
+def _alive(sock: socket.socket) -> bool:
+    """An idle connection is usable only while nothing can be read from it:
+    a server that closed it (restart, idle timeout) makes it readable (EOF).
+    redis-py checks its own pooled connections the same way."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+    except (OSError, ValueError):
+        return False
+    return not readable
+
+
 class ReadPool:
     """Idle ``ReadConnection``s per server, at most ``max_idle`` each."""
 
@@ -185,8 +197,11 @@ class ReadPool:
             if self._pid != os.getpid():  # forked: the parent's sockets are not ours
                 self._idle, self._pid = {}, os.getpid()
             idle = self._idle.get((host, port))
-            if idle:
-                return idle.pop()
+            while idle:
+                conn = idle.pop()
+                if _alive(conn.sock):
+                    return conn
+                conn.close()  # the server closed it (restarted, timed it out): never reused
         return ReadConnection(host, port, self.config)
 
     def _give(self, host: str, port: int, conn: ReadConnection) -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import http.client
 import os
+import select
 import ssl
 import threading
 import urllib.request
@@ -126,8 +127,11 @@ class PresignedHTTP:
             if self._pid != os.getpid():  # forked: the parent's sockets are not ours
                 self._idle, self._pid = {}, os.getpid()
             idle = self._idle.get(where)
-            if idle:
-                return idle.pop(), True
+            while idle:
+                conn = idle.pop()
+                if _alive(conn):
+                    return conn, True
+                conn.close()  # the server closed it (restart, idle timeout): never reused
         scheme, host, port = where
         c = self.config
         if scheme == "https":
@@ -208,6 +212,18 @@ class _Exchange:
             self.owner._give(self.where, conn)
         else:
             conn.close()
+
+
+def _alive(conn: http.client.HTTPConnection) -> bool:
+    """An idle connection is usable only while nothing can be read from it:
+    a server that closed it (restart, keep-alive timeout) makes it readable."""
+    if conn.sock is None:
+        return False
+    try:
+        readable, _, _ = select.select([conn.sock], [], [], 0)
+    except (OSError, ValueError):
+        return False
+    return not readable
 
 
 def tls_context(config: Any) -> ssl.SSLContext:

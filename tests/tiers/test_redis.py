@@ -199,6 +199,23 @@ def test_killed_server_degrades_to_misses_and_hits_resume_after_restart(server, 
         tier.close()
 
 
+def test_reads_after_a_restart_need_no_failure_first(server, metrics):
+    """Idle read connections the restarted server closed are not reused: the
+    first load after a restart (with nothing read meanwhile) hits."""
+    tier = open_tier(server.address, metrics)
+    try:
+        c = make_chunks(6)
+        assert tier.store(c.objs) == 6
+        assert fetched(tier, c.keys) == 6  # read connections now idle in the pool
+        server.stop()
+        server.start()  # the data is gone with the old process
+        assert tier.store(c.objs) == 6
+        assert fetched(tier, c.keys) == 6
+        assert metrics.value("kvtier_errors_total", tier="redis", op="load") == 0
+    finally:
+        tier.close()
+
+
 def test_a_hung_server_costs_at_most_the_socket_timeout(server, metrics):
     tier = open_tier(server.address, metrics, CircuitBreaker(threshold=100, cooldown_s=0.5))
     try:
