@@ -96,6 +96,15 @@ def _names_and_bytes(harness, tier) -> tuple[list[bytes], list[bytes]]:
         return names, values
     if kind == "s3":
         return [name.encode() for name, _, _ in tier._list()], []
+    if kind == "sqlite":  # the third-party example tier: one database file, rows named by digest
+        import sqlite3
+
+        db = sqlite3.connect(next(harness.path.glob("*.db")))
+        try:
+            rows = db.execute("SELECT digest, data FROM objects ORDER BY digest").fetchall()
+        finally:
+            db.close()
+        return [bytes(d) for d, _ in rows], [bytes(v) for _, v in rows]
     raise AssertionError(f"no name listing for tier kind {kind}")
 
 

@@ -29,6 +29,7 @@ from kvtier.integrations.vllm.metrics import connector_metrics
 from kvtier.integrations.vllm.scheduler import KVTierScheduler
 from kvtier.integrations.vllm.settings import load_settings
 from kvtier.integrations.vllm.worker import KVTierWorker
+from kvtier.tiers.base import Maintenance
 
 log = logging.getLogger(__name__)
 
@@ -176,13 +177,13 @@ class KVTierConnector(KVConnectorBase_V1):
         """Empty the named tiers this worker opened; the count of objects removed."""
         if self._worker is None:
             return 0
-        return sum(t.clear() for t in self._worker.store.tiers if t.name in set(names) and hasattr(t, "clear"))
+        return sum(t.clear() for t in self._worker.store.tiers if t.name in set(names) and isinstance(t, Maintenance))
 
     def drop_page_cache(self) -> int:
         """Drop this worker's file tiers' objects from the page cache."""
         if self._worker is None:
             return 0
-        return sum(t.drop_cache() for t in self._worker.store.tiers if hasattr(t, "drop_cache"))
+        return sum(t.drop_cache() for t in self._worker.store.tiers if isinstance(t, Maintenance))
 
     # ------------------------------------------------------------ lifecycle
     def shutdown(self) -> None:
