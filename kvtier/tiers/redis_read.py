@@ -18,7 +18,8 @@ TLS and its CA file, database) these connections share.
 Threads: a connection is used by one thread at a time: taken from its
 ``ReadPool``, given back only after a complete reply. One that saw an error,
 a timeout or a malformed reply is closed, never given back (its position in
-the stream is unknown). The pool is made per process: a forked child never
+the stream is unknown); an idle one the server closed meanwhile (a restart)
+is dropped when next taken. The pool is made per process: a forked child never
 uses its parent's sockets.
 """
 
