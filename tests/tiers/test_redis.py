@@ -148,10 +148,12 @@ def test_a_corrupted_value_is_a_miss_counted_and_removed(server, metrics):
         assert fetched(tier, c.keys) == 1
         assert fetched(tier, c.keys[2:]) == 0
         assert fetched(tier, c.keys[3:]) == 0
-        # Three bad objects, each counted when read. A read-ahead of the first
-        # fetch may still be in flight when the second fetch reads the same
-        # object, and then both count it (seen once in CI): 3 or 4.
-        assert metrics.value("kvtier_integrity_failures_total", tier="redis") in (3, 4)
+        # Three bad objects, each counted every time it is read. The fetches'
+        # read-aheads may still be in flight when the next fetch reads the
+        # same object, and then both count it: object 1 is read by the first
+        # fetch only, object 2 by up to two fetches, object 3 by up to three
+        # (seen in CI: 4 and 5). At least one count each, at most one per read.
+        assert 3 <= metrics.value("kvtier_integrity_failures_total", tier="redis") <= 1 + 2 + 3
         assert [raw.exists(n) for n in names] == [1, 0, 0, 0]
         assert tier.lookup(c.keys) == 1
         assert tier.store(c.objs[1:]) == 3  # written again, whole
