@@ -32,34 +32,16 @@ import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, Sequence
 from urllib.parse import urlsplit
 
 from kvtier.buffers import alloc
-from kvtier.bench.storage_common import cpu_seconds
+from kvtier.bench.storage_common import LoadPass, cpu_seconds
 
 
 class CeilingMissing(RuntimeError):
     """The tool that measures the ceiling is not installed (the message says
     how to install it); the benchmark skips the ceiling only."""
-
-
-@dataclass(frozen=True)
-class CeilingRun:
-    """One ceiling measurement: bytes delivered, wall seconds, client CPU seconds."""
-
-    nbytes: int
-    seconds: float
-    cpu_s: float
-
-    @property
-    def gbps(self) -> float:
-        return self.nbytes / self.seconds / 1e9
-
-    @property
-    def cpu_s_per_gb(self) -> float:
-        return self.cpu_s / (self.nbytes / 1e9)
 
 
 def concurrency(window: int, object_bytes: int, threads: int) -> int:
@@ -90,7 +72,7 @@ def redis_benchmark_version() -> str:
 
 
 def redis_get_ceiling(config: Any, targets: Sequence[tuple[str, int, bytes]], value_bytes: int, clients: int,
-                      requests: int) -> CeilingRun:
+                      requests: int) -> LoadPass:
     """``redis-benchmark`` GETs: ``targets`` are (host, port, object name),
     one per server to load (a cluster's masters), each GET returning
     ``value_bytes``; ``clients`` connections and ``requests`` GETs in all,
@@ -130,7 +112,7 @@ def redis_get_ceiling(config: Any, targets: Sequence[tuple[str, int, bytes]], va
     # summed over servers that ran at once; where its millisecond clock saw
     # no time pass ("inf"), our wall clock, process start included.
     seconds = nbytes / value_bytes / rps if 0 < rps < float("inf") else wall
-    return CeilingRun(nbytes, seconds, cpu)
+    return LoadPass(nbytes, seconds, cpu)
 
 
 def _csv_rps(out: str, err: str) -> float:
@@ -151,7 +133,7 @@ def _csv_rps(out: str, err: str) -> float:
 # ---------------------------------------------------------------- S3
 
 
-def s3_boto3_ceiling(client: Any, bucket: str, names: Sequence[str], object_bytes: int, clients: int) -> CeilingRun:
+def s3_boto3_ceiling(client: Any, bucket: str, names: Sequence[str], object_bytes: int, clients: int) -> LoadPass:
     """Plain GETs of ``names`` (each ``object_bytes`` long), ``clients`` at
     once, through a boto3 client: each body read straight into a buffer of
     the reading thread. Nothing else is done with the bytes."""
@@ -181,11 +163,11 @@ def s3_boto3_ceiling(client: Any, bucket: str, names: Sequence[str], object_byte
         list(pool.map(get, names[: clients]))  # connections up, as kvtier's pool has them
         c0, t0 = cpu_seconds(), time.perf_counter()
         nbytes = sum(pool.map(get, names))
-        return CeilingRun(nbytes, time.perf_counter() - t0, cpu_seconds() - c0)
+        return LoadPass(nbytes, time.perf_counter() - t0, cpu_seconds() - c0)
 
 
 def s3_presigned_ceiling(client: Any, bucket: str, names: Sequence[str], object_bytes: int, clients: int,
-                         tls: "ssl.SSLContext | None" = None) -> CeilingRun:
+                         tls: "ssl.SSLContext | None" = None) -> LoadPass:
     """Plain GETs of URLs presigned by a boto3 client, sent over one kept-alive
     ``http.client`` connection per thread, each body read straight into a
     buffer of the reading thread."""
@@ -215,7 +197,7 @@ def s3_presigned_ceiling(client: Any, bucket: str, names: Sequence[str], object_
         list(pool.map(get, names[:clients]))  # connections up
         c0, t0 = cpu_seconds(), time.perf_counter()
         nbytes = sum(pool.map(get, names))
-        return CeilingRun(nbytes, time.perf_counter() - t0, cpu_seconds() - c0)
+        return LoadPass(nbytes, time.perf_counter() - t0, cpu_seconds() - c0)
 
 
 def awscrt_available() -> bool:
@@ -227,7 +209,7 @@ def awscrt_available() -> bool:
 
 
 def s3_crt_ceiling(endpoint: str, region: str, bucket: str, names: Sequence[str], object_bytes: int, clients: int,
-                   access_key: str | None, secret_key: str | None) -> CeilingRun:
+                   access_key: str | None, secret_key: str | None) -> LoadPass:
     """Plain GETs through the AWS common runtime's S3 client (awscrt):
     ``clients`` requests in flight, each body copied into one buffer per
     request slot by the client's body callback."""
@@ -276,4 +258,4 @@ def s3_crt_ceiling(endpoint: str, region: str, bucket: str, names: Sequence[str]
     run(names[:clients])
     c0, t0 = cpu_seconds(), time.perf_counter()
     nbytes = run(names)
-    return CeilingRun(nbytes, time.perf_counter() - t0, cpu_seconds() - c0)
+    return LoadPass(nbytes, time.perf_counter() - t0, cpu_seconds() - c0)

@@ -22,7 +22,6 @@ from the page cache before each).
 from __future__ import annotations
 
 import os
-import platform
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -35,17 +34,18 @@ from kvtier.bench.storage_common import (
     GiB,
     MiB,
     READ_MODES,
-    Progress,
     StorageBenchConfig,
     StorageBenchError,
+    host,
     load_sessions,
     median,
     memory_bench,
     namespace,
-    no_progress,
     populate,
     sessions as make_sessions,
+    summarize,
 )
+from kvtier.progress import Progress, silent
 from kvtier.tiers.shared import SharedConfig, SharedTier
 from kvtier.version import __version__
 
@@ -69,7 +69,7 @@ def cold_label(window: int, mode: str) -> str:
     return f"{window // MiB}MiB" + ("" if mode == "direct" else f" {mode}")
 
 
-def run(cfg: StorageBenchConfig, progress: Progress = no_progress) -> dict:
+def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
     if cfg.tier is not None:
         from kvtier.bench import storage_remote
 
@@ -82,7 +82,7 @@ def run(cfg: StorageBenchConfig, progress: Progress = no_progress) -> dict:
     result: dict = {
         "kvtier_version": __version__,
         "directory": str(root.resolve()),
-        "host": {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()},
+        "host": host(),
         "model": asdict(cfg.model),
         "chunk_tokens": cfg.chunk_tokens,
         "chunk_bytes": cfg.model.bytes_per_token * cfg.chunk_tokens,
@@ -135,13 +135,7 @@ def run(cfg: StorageBenchConfig, progress: Progress = no_progress) -> dict:
         for st in stores.values():
             st.close()
     result["fio"] = {
-        j: {
-            "runs_gbps": [r.gbps for r in runs],
-            "median_gbps": median([r.gbps for r in runs]),
-            "runs_cpu_s_per_gb": [r.cpu_s_per_gb for r in runs],
-            "cpu_s_per_gb": median([r.cpu_s_per_gb for r in runs]),
-            "read_mode": "direct" if fio_jobs[j][2] else "buffered",
-        }
+        j: {**summarize(runs), "read_mode": "direct" if fio_jobs[j][2] else "buffered"}
         for j, runs in fio_runs.items()
     }
     result["fio_streams"] = streams

@@ -1,7 +1,9 @@
 """What both storage benchmarks share (``storage``: a directory against fio;
 ``storage_remote``: a network tier against its server's own ceiling): the
 configuration, the data set (sessions of prefix-chained chunk keys), writing
-it, timing and CPU-accounting session loads, and the memory-tier comparison.
+it, timing and CPU-accounting session loads (``LoadPass``, which the network
+tiers' ceilings in ``ceiling`` return too), summarizing repeated passes, and
+the memory-tier comparison.
 
 Neither benchmark imports the other's private names: both import from here.
 """
@@ -10,19 +12,22 @@ from __future__ import annotations
 
 import math
 import os
+import platform
 import resource
 import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Sequence
 
 from kvtier.buffers import copy_into
 from kvtier.codec import ChunkObject, encode
 from kvtier.config import StoreConfig, TierSpec
 from kvtier.engine.store import TieredStore
 from kvtier.keys import ChunkKey, Namespace, chunk_keys
+from kvtier.bench.fio import FioRead
 from kvtier.bench.models import ModelShape
+from kvtier.progress import Progress
 from kvtier.tiers.memory import MemoryConfig
 
 MiB = 1 << 20
@@ -53,13 +58,6 @@ class StorageBenchConfig:
     ceiling: bool = True  # network tiers: measure the server's own ceiling (redis-benchmark, plain GETs)
 
 
-Progress = Callable[[str, int], Callable[[int], None]]
-
-
-def no_progress(desc: str, total: int) -> Callable[[int], None]:
-    return lambda n: None
-
-
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
@@ -70,6 +68,11 @@ def pct(xs: list[float], q: float) -> float:
         return float("nan")
     s = sorted(xs)
     return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def host() -> dict:
+    """The machine a result was measured on, for the report."""
+    return {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()}
 
 
 def cpu_seconds() -> float:
@@ -132,8 +135,9 @@ def populate(tier, sessions: list[list[ChunkKey]], cfg: StorageBenchConfig, prog
 
 @dataclass(frozen=True)
 class LoadPass:
-    """One pass of session loads: payload bytes delivered, wall seconds, and
-    the process's CPU seconds (user + system, all threads) spent meanwhile."""
+    """One timed pass of reads (kvtier's session loads, or a ceiling's plain
+    GETs): payload bytes delivered, wall seconds, and the reading client's CPU
+    seconds (user + system, all threads) spent meanwhile."""
 
     nbytes: int
     seconds: float
@@ -146,6 +150,18 @@ class LoadPass:
     @property
     def cpu_s_per_gb(self) -> float:
         return self.cpu_s / (self.nbytes / 1e9)
+
+
+def summarize(passes: Sequence[LoadPass | FioRead]) -> dict:
+    """Repeated runs of one measurement (kvtier's loads, a ceiling client's
+    GETs, a fio job) as the reports give them: every run's rate and CPU cost,
+    and their medians."""
+    return {
+        "runs_gbps": [p.gbps for p in passes],
+        "median_gbps": median([p.gbps for p in passes]),
+        "runs_cpu_s_per_gb": [p.cpu_s_per_gb for p in passes],
+        "cpu_s_per_gb": median([p.cpu_s_per_gb for p in passes]),
+    }
 
 
 def load_sessions(store: TieredStore, sessions, bufs, per_load: list[float], tick, what: str, where: str) -> LoadPass:

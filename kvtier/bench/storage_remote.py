@@ -33,33 +33,33 @@ the benchmark a prefix or database of its own. The ceiling only reads.
 from __future__ import annotations
 
 import os
-import platform
 import threading
 import time
 from typing import Any
 from urllib.parse import urlsplit
 
 from kvtier.bench import ceiling
-from kvtier.bench.ceiling import CeilingRun, concurrency
+from kvtier.bench.ceiling import concurrency
 from kvtier.bench.storage_common import (
     GiB,
     LoadPass,
     MiB,
-    Progress,
     StorageBenchConfig,
     StorageBenchError,
+    host,
     load_sessions,
     median,
     memory_bench,
     namespace,
-    no_progress,
     pct,
     populate,
     sessions as make_sessions,
+    summarize,
 )
 from kvtier.buffers import alloc
 from kvtier.config import ConfigError, StoreConfig, TierSpec, parse_tier, parse_tier_url
 from kvtier.engine.store import TieredStore
+from kvtier.progress import Progress, silent
 from kvtier.tiers import registry
 from kvtier.version import __version__
 
@@ -128,7 +128,7 @@ class _ReadTimer:
         return out
 
 
-def run(cfg: StorageBenchConfig, progress: Progress = no_progress) -> dict:
+def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
     url = cfg.tier
     assert url is not None
     first = tier_spec(url, cfg, cfg.windows[0])
@@ -138,7 +138,7 @@ def run(cfg: StorageBenchConfig, progress: Progress = no_progress) -> dict:
         "kvtier_version": __version__,
         "tier": redact(url),
         "kind": first.kind,
-        "host": {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()},
+        "host": host(),
         "model": {"name": cfg.model.name, "bytes_per_token": cfg.model.bytes_per_token},
         "chunk_tokens": cfg.chunk_tokens,
         "chunk_bytes": chunk_bytes,
@@ -191,7 +191,7 @@ def run(cfg: StorageBenchConfig, progress: Progress = no_progress) -> dict:
         result["ceiling"] = None
         result["ceiling_skipped"] = roof.skipped if roof is not None else "not asked for"
     inflight = {w: concurrency(w, object_bytes, cfg.io_threads) for w in cfg.windows}
-    ceil_runs: dict[int, dict[str, list[CeilingRun]]] = {w: {} for w in cfg.windows}
+    ceil_runs: dict[int, dict[str, list[LoadPass]]] = {w: {} for w in cfg.windows}
     tick = progress("session loads + ceiling", cfg.repeats * len(cfg.windows) * (len(sessions) + 1))
     try:
         for _ in range(cfg.repeats):
@@ -212,10 +212,7 @@ def run(cfg: StorageBenchConfig, progress: Progress = no_progress) -> dict:
         v = {
             "window_bytes": w,
             "concurrency": inflight[w],
-            "runs_gbps": [p.gbps for p in runs[w]],
-            "median_gbps": median([p.gbps for p in runs[w]]),
-            "runs_cpu_s_per_gb": [p.cpu_s_per_gb for p in runs[w]],
-            "cpu_s_per_gb": median([p.cpu_s_per_gb for p in runs[w]]),
+            **summarize(runs[w]),
             "session_load_p50_s": median(per_load[w]),
             "session_load_p99_s": pct(per_load[w], 0.99),
             "chunk_read_p50_ms": pct(reads[w], 0.5) * 1e3,
@@ -244,15 +241,7 @@ def _ceiling_results(roof: "Ceiling", cold: dict, ceil_runs: dict, best: str) ->
     windows = {}
     for w, by_client in ceil_runs.items():
         label = f"{w // MiB}MiB"
-        clients = {
-            c: {
-                "runs_gbps": [r.gbps for r in rs],
-                "median_gbps": median([r.gbps for r in rs]),
-                "runs_cpu_s_per_gb": [r.cpu_s_per_gb for r in rs],
-                "cpu_s_per_gb": median([r.cpu_s_per_gb for r in rs]),
-            }
-            for c, rs in by_client.items()
-        }
+        clients = {c: summarize(rs) for c, rs in by_client.items()}
         top = max(clients, key=lambda c: clients[c]["median_gbps"])
         windows[label] = {"concurrency": cold[label]["concurrency"], "clients": clients, "best_client": top,
                           "median_gbps": clients[top]["median_gbps"], "cpu_s_per_gb": clients[top]["cpu_s_per_gb"]}
@@ -285,7 +274,7 @@ class Ceiling:
             return _RedisCeiling.make(spec.config, tier, keys, object_bytes)
         return _S3Ceiling(spec.config, tier, keys, object_bytes)
 
-    def measure(self, clients: int) -> dict[str, CeilingRun]:
+    def measure(self, clients: int) -> dict[str, LoadPass]:
         raise NotImplementedError
 
     def close(self) -> None:
@@ -305,7 +294,7 @@ class _RedisCeiling(Ceiling):
         self.requests = len(keys)
         return self
 
-    def measure(self, clients: int) -> dict[str, CeilingRun]:
+    def measure(self, clients: int) -> dict[str, LoadPass]:
         try:
             # At least 200 GETs: redis-benchmark's clock counts milliseconds.
             run_ = ceiling.redis_get_ceiling(self.config, self.targets, self.object_bytes, clients,
@@ -325,7 +314,7 @@ class _S3Ceiling(Ceiling):
         self.crt = "awscrt" in clients
         self.tls = tier.tls_context()
 
-    def measure(self, clients: int) -> dict[str, CeilingRun]:
+    def measure(self, clients: int) -> dict[str, LoadPass]:
         c = self.config
         out = {
             "boto3": ceiling.s3_boto3_ceiling(self.client, c.bucket, self.names, self.object_bytes, clients),

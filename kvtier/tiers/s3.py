@@ -58,7 +58,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from kvtier.buffers import align_up
 from kvtier.codec import HEADER_BLOCK, MAX_PAYLOAD, ChunkObject, decode, key_of
@@ -365,27 +365,38 @@ class S3Tier(PooledTier):
     def _verify(self, buf: memoryview, size: int, key: ChunkKey) -> tuple[ChunkObject | None, CorruptObject | None]:
         """Decode an object read whole into ``buf`` (from the pool); on failure
         the buffer goes back to the pool."""
-        try:
+
+        def whole() -> int:
             if size < HEADER_BLOCK:
                 raise CorruptObject(f"object size {size} out of range")
-            return decode(buf, key, size, self.pool), None
-        except CorruptObject as exc:
-            self.pool.put(buf)
-            return None, exc
-        except BaseException:
-            self.pool.put(buf)
-            raise
+            return size
+
+        return self._decode_pooled(buf, key, whole)
 
     def _read_body(self, body, size: int, key: ChunkKey) -> tuple[ChunkObject | None, CorruptObject | None]:
+        """Read ``body`` (``size`` bytes announced) into a pooled buffer and
+        decode it; a short body is decoded as far as it came (and fails)."""
         buf = self.pool.get(align_up(size))
-        try:
+
+        def fill() -> int:
             got = 0
             while got < size:
                 n = body.readinto(buf[got:size])
                 if not n:
                     break
                 got += n
-            return decode(buf, key, got, self.pool), None
+            return got
+
+        return self._decode_pooled(buf, key, fill)
+
+    def _decode_pooled(self, buf: memoryview, key: ChunkKey,
+                       fill: Callable[[], int]) -> tuple[ChunkObject | None, CorruptObject | None]:
+        """Decode the object ``fill()`` leaves in ``buf`` (a pool buffer; it
+        returns the object's length). On any failure, in ``fill`` or in the
+        decode, ``buf`` goes back to the pool: a CorruptObject is returned,
+        anything else raised."""
+        try:
+            return decode(buf, key, fill(), self.pool), None
         except CorruptObject as exc:
             self.pool.put(buf)
             return None, exc
