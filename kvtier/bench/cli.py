@@ -28,10 +28,12 @@ def register(subparsers) -> None:
 
 
 def _read_modes(text: str) -> tuple[str, ...]:
+    from kvtier.bench.storage_common import READ_MODE_CHOICES
+
     modes = tuple(t for t in text.split(",") if t)
-    bad = [m for m in modes if m not in ("direct", "buffered")]
+    bad = [m for m in modes if m not in READ_MODE_CHOICES]
     if bad or not modes:
-        raise argparse.ArgumentTypeError(f"expected direct and/or buffered, comma-separated, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected some of {', '.join(READ_MODE_CHOICES)}, comma-separated, got {text!r}")
     return modes
 
 
@@ -68,8 +70,9 @@ def _storage_parser(bsub) -> None:
     bs.add_argument("--windows", type=argtypes.sizes, default=(16 << 20, 64 << 20, 128 << 20), help="read windows to try, comma-separated (default 16MiB,64MiB,128MiB)")
     bs.add_argument("--fio-depths", type=argtypes.ints, default=(1, 8, 32), help="fio queue depths (default 1,8,32)")
     bs.add_argument("--read-modes", type=_read_modes, default=("direct", "buffered"),
-                    help="kvtier read modes to measure, comma-separated: direct (o_direct: true), buffered "
-                    "(o_direct: false) (default both)")
+                    help="kvtier read modes to measure, comma-separated: direct (o_direct: true; reads issued with "
+                    "native AIO from one thread), buffered (o_direct: false), direct-threads (o_direct: true, aio: "
+                    "false; one pool thread per read, the path before AIO) (default direct,buffered)")
     bs.add_argument("--repeats", type=int, default=3, help="runs per measurement; medians are reported (default 3)")
     bs.add_argument("--memory", type=argtypes.size, default=1 << 30, help="bytes used for the memory-tier comparison (default 1GiB)")
     bs.add_argument("--io-threads", type=int, default=32, help="I/O threads of the tier (default 32)")

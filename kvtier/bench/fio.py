@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -73,7 +74,9 @@ def fio_seq_read_run(directory: Path, iodepth: int, size_bytes: int, block: str 
     out = subprocess.run(cmd + ["--create_only=1"], capture_output=True, text=True, check=False)
     if out.returncode == 0:
         os.sync()
+        before = _children_cpu_s()
         out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        whole_run_cpu_s = _children_cpu_s() - before
     if out.returncode != 0:
         raise RuntimeError(f"fio failed ({out.returncode}): {out.stderr.strip()[:500]}")
     # fio may print warnings before the JSON document.
@@ -82,7 +85,17 @@ def fio_seq_read_run(directory: Path, iodepth: int, size_bytes: int, block: str 
     read = job["read"]
     runtime_ms = job.get("job_runtime") or read["runtime"]
     cpu_s = (job["usr_cpu"] + job["sys_cpu"]) / 100 * runtime_ms / 1e3
+    if cpu_s <= 0:
+        # fio rounds each job's share to 0.01 % of its runtime: jobs of a few
+        # MiB report none. Then count the whole fio run (its start-up too),
+        # as the kernel accounted it to this process's children.
+        cpu_s = whole_run_cpu_s
     return FioRead(read["bw_bytes"] / 1e9, int(read["io_bytes"]), cpu_s)
+
+
+def _children_cpu_s() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
 
 
 def remove_fio_file(directory: Path) -> None:

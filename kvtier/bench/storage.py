@@ -34,6 +34,7 @@ from kvtier.bench.storage_common import (
     GiB,
     MiB,
     READ_MODES,
+    fio_mode,
     StorageBenchConfig,
     StorageBenchError,
     host,
@@ -57,7 +58,8 @@ def _shared_spec(path: Path, capacity: int, window: int, threads: int, mode: str
     return TierSpec(
         "shared",
         SharedConfig(
-            path=str(path), capacity=capacity, name="shared", o_direct=mode == "direct",
+            path=str(path), capacity=capacity, name="shared", o_direct=fio_mode(mode) == "direct",
+            aio=mode != "direct-threads",
             read_window_bytes=window, io_threads=threads, gc_interval_s=0,
         ),
     )
@@ -129,7 +131,7 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
             for variant, store in stores.items():
                 store.tier("shared").drop_cache()
                 cold_runs[variant].append(load_sessions(store, sessions, bufs, per_load[variant], tick, "cold load", "see the log"))
-        direct = {v: s.tier("shared").dir.direct_ok and v[1] == "direct" for v, s in stores.items()}
+        direct = {v: s.tier("shared").dir.direct_ok and fio_mode(v[1]) == "direct" for v, s in stores.items()}
     finally:
         remove_fio_file(fio_dir)
         for st in stores.values():
@@ -175,7 +177,7 @@ def _cpu_comparison(r: dict) -> dict:
     of the reading process(es): kvtier's whole process (every thread) from
     getrusage, fio's jobs from fio's own accounting."""
     best = r["cold"][r["cold_best_window"]]
-    same = [j for j, v in r["fio"].items() if v["read_mode"] == best["read_mode"]] or list(r["fio"])
+    same = [j for j, v in r["fio"].items() if v["read_mode"] == fio_mode(best["read_mode"])] or list(r["fio"])
     ref = max(same, key=lambda j: r["fio"][j]["median_gbps"])
     kv, fio = best["cpu_s_per_gb"], r["fio"][ref]["cpu_s_per_gb"]
     return {

@@ -33,7 +33,15 @@ from kvtier.tiers.memory import MemoryConfig
 MiB = 1 << 20
 GiB = 1 << 30
 
-READ_MODES = ("direct", "buffered")  # the file tiers' o_direct: true / false
+READ_MODES = ("direct", "buffered")  # the file tiers' o_direct: true / false (measured by default)
+# Every mode ``--read-modes`` takes: "direct-threads" is O_DIRECT read by one
+# pool thread per object (aio: false), the read path before native AIO.
+READ_MODE_CHOICES = ("direct", "buffered", "direct-threads")
+
+
+def fio_mode(mode: str) -> str:
+    """The fio read mode a kvtier read mode compares with."""
+    return "buffered" if mode == "buffered" else "direct"
 
 
 class StorageBenchError(RuntimeError):

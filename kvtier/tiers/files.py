@@ -13,7 +13,7 @@ path. Objects are published by ``rename`` from ``tmp/`` (same file system), so
 a reader sees either no file or a complete one. Files are opened with
 O_NOFOLLOW and created 0600 in 0700 directories.
 
-Why one module of about 540 lines: it is one class (and the handle of a
+Why one module of about 580 lines: it is one class (and the handle of a
 write in progress) that owns every path operation a tier makes, each opening
 folders one level at a time with O_NOFOLLOW; kept together, that rule can be
 checked in one place.
@@ -64,6 +64,24 @@ class ObjectEntry:
     ns_hex: str
     size: int
     mtime: float
+
+
+@dataclass
+class OpenRead:
+    """An object ``ObjectDir.open_read`` opened: its descriptor (O_DIRECT or
+    not), the bytes to read, the pooled buffer they go into, the file's mtime."""
+
+    fd: int
+    direct: bool
+    size: int
+    buf: memoryview
+    mtime: float
+
+    def abandon(self, pool: BufferPool) -> None:
+        """Give up the read: close the file, return the buffer (only once no
+        read into it is in flight)."""
+        os.close(self.fd)
+        pool.put(self.buf)
 
 
 class ObjectDir:
@@ -150,6 +168,32 @@ class ObjectDir:
         (a symlink, FIFO or other non-file where an object belongs included),
         OSError for I/O trouble.
         """
+        pool = pool if pool is not None else BufferPool(0)
+        op = self.open_read(key, o_direct, pool)
+        got = 0
+        try:
+            if not op.direct:
+                os.posix_fadvise(op.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            while got < op.size:
+                # O_DIRECT: one read to the aligned end of the buffer.
+                end = len(op.buf) if op.direct else got + _BUFFERED_PIECE
+                n = os.preadv(op.fd, [op.buf[got:end]], got)
+                if n <= 0:
+                    break
+                got += n
+            if cold and not op.direct:
+                os.posix_fadvise(op.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except BaseException:
+            op.abandon(pool)
+            raise
+        return self.finish_read(key, op, got, pool), op.mtime
+
+    def open_read(self, key: ChunkKey, o_direct: bool, pool: BufferPool) -> "OpenRead":
+        """The first half of ``read``: open ``key``'s object (O_DIRECT when
+        asked and the file system allows), check its size and take a buffer
+        for it. The caller fills ``buf[:size]`` (an O_DIRECT read may ask for
+        all of ``buf``, whose length is aligned) and calls ``finish_read``,
+        or ``abandon``. Raises like ``read``."""
         parts, name = self._rel(key)
         try:
             dfd = self._open_dir(parts)
@@ -158,18 +202,15 @@ class ObjectDir:
                 raise CorruptObject(f"a symlink or file where a folder belongs ({exc.strerror})") from None
             raise
         try:
-            fd = self._open_object(dfd, name, o_direct)
+            fd, direct = self._open_object(dfd, name, o_direct)
         finally:
             os.close(dfd)
-        direct = fd[1]
-        fd = fd[0]
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise CorruptObject("not a regular file")
             if st.st_size < HEADER_BLOCK or st.st_size > HEADER_BLOCK + MAX_PAYLOAD:
                 raise CorruptObject(f"object size {st.st_size} out of range")
-            pool = pool if pool is not None else BufferPool(0)
             size = st.st_size
             if size > _CHECK_HEADER_FIRST:
                 # Large: believe the file's size only once its header (and
@@ -179,27 +220,21 @@ class ObjectDir:
                 if size < need:
                     raise CorruptObject(f"truncated: {size} B, need {need}")
                 size = need
-            buf = pool.get(align_up(size))
-            got = 0
-            try:
-                if not direct:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-                while got < size:
-                    # O_DIRECT: one read to the aligned end of the buffer.
-                    end = len(buf) if direct else got + _BUFFERED_PIECE
-                    n = os.preadv(fd, [buf[got:end]], got)
-                    if n <= 0:
-                        break
-                    got += n
-                if cold and not direct:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                obj = decode(buf, key, got, pool)
-            except BaseException:
-                pool.put(buf)
-                raise
-        finally:
+            return OpenRead(fd, direct, size, pool.get(align_up(size)), st.st_mtime)
+        except BaseException:
             os.close(fd)
-        return obj, st.st_mtime
+            raise
+
+    def finish_read(self, key: ChunkKey, op: "OpenRead", got: int, pool: BufferPool) -> ChunkObject:
+        """The second half of ``read``: close the file and verify the ``got``
+        bytes read into ``op.buf`` (raises CorruptObject; the buffer goes
+        back to ``pool`` then)."""
+        os.close(op.fd)
+        try:
+            return decode(op.buf, key, got, pool)
+        except BaseException:
+            pool.put(op.buf)
+            raise
 
     def _open_object(self, dfd: int, name: str, o_direct: bool) -> tuple[int, bool]:
         # O_NONBLOCK: a FIFO planted under an object's name must not block

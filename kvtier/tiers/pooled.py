@@ -107,10 +107,15 @@ class PooledTier(Tier):
         if not self.breaker.allow():
             self.metrics.miss(len(keys))
             return iter(())
-        stream = ReadStream(self.executor, keys, self._read_one, self.config.read_window_bytes, lambda: self._bytes_per_token)
-        return self._drain(stream, keys, timeout)
+        return self._drain(self._stream(keys), keys, timeout)
 
-    def _drain(self, stream: ReadStream, keys: Sequence[ChunkKey], timeout: float | None) -> Iterator[ChunkObject]:
+    def _stream(self, keys: Sequence[ChunkKey]) -> ReadStream:
+        """The reader of one fetch: ``_read_one`` per key on the pool, within
+        the read window. A tier with a better way to keep many reads in
+        flight returns its own (``iter``, ``stop``, ``failed`` alike)."""
+        return ReadStream(self.executor, keys, self._read_one, self.config.read_window_bytes, lambda: self._bytes_per_token)
+
+    def _drain(self, stream, keys: Sequence[ChunkKey], timeout: float | None) -> Iterator[ChunkObject]:
         served = 0
         try:
             for obj in stream.iter(timeout):

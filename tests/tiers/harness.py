@@ -26,9 +26,15 @@ _names = itertools.count()
 
 
 class Harness:
-    """Opens one kind of tier on storage that outlives each instance."""
+    """Opens one kind of tier on storage that outlives each instance.
+    ``kind`` names the harness; ``tier_kind`` is the kind its tiers report
+    (the same, unless the harness runs a kind in another configuration)."""
 
     kind: str
+
+    @property
+    def tier_kind(self) -> str:
+        return self.kind
 
     def __init__(self, tmp_path: Path, metrics: Metrics):
         self.path = tmp_path / self.kind

@@ -180,7 +180,7 @@ def test_delete(tier):
 
 def test_stats_follow_operations(tier, harness):
     s = tier.stats()
-    assert (s.name, s.kind, s.objects, s.used_bytes, s.capacity_bytes) == (harness.name, harness.kind, 0, 0, CAP)
+    assert (s.name, s.kind, s.objects, s.used_bytes, s.capacity_bytes) == (harness.name, harness.tier_kind, 0, 0, CAP)
     c = make_chunks(5)
     tier.store(c.objs[:3])
     s = tier.stats()

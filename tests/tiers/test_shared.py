@@ -97,10 +97,11 @@ CORRUPTIONS = {
 }
 
 
+@pytest.mark.parametrize("o_direct", [False, True], ids=["buffered", "o_direct"])
 @pytest.mark.parametrize("corrupt", sorted(CORRUPTIONS))
-def test_a_corrupt_object_is_a_miss_counted_and_quarantined(open_shared, corrupt):
+def test_a_corrupt_object_is_a_miss_counted_and_quarantined(open_shared, corrupt, o_direct):
     metrics = Metrics()
-    tier = open_shared(metrics=metrics)
+    tier = open_shared(metrics=metrics, o_direct=o_direct)
     c = make_chunks(3)
     tier.store(c.objs)
     path = tier.dir.path(c.keys[1])

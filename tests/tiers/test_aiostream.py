@@ -1,0 +1,142 @@
+"""The O_DIRECT read path through native AIO (``AioStream``): it is the path
+an ``o_direct`` directory tier really takes here, it serves what the
+thread-per-read path serves, and every buffer it takes goes back to the
+pool whatever happens to the load (a miss, a bad object, an abandoned
+iteration, a timeout)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from kvtier.buffers import BufferPool
+from kvtier.metrics import Metrics
+from kvtier.tiers import aio
+from kvtier.tiers.aiostream import AioStream
+from kvtier.tiers.readstream import ReadStream
+from kvtier.tiers.shared import SharedTier
+from tests.support import OBJ, assert_object, make_chunks, shared_config
+
+pytestmark = pytest.mark.skipif(not aio.available(), reason="this kernel offers no native AIO")
+
+
+@pytest.fixture
+def open_tier(tmp_path):
+    opened = []
+
+    def open_(aio_on=True, metrics=None, pool=None, **kw):
+        kw.setdefault("read_window_bytes", 4 * OBJ)  # a few reads in flight: windows refill during a load
+        t = SharedTier(shared_config(tmp_path / "shared", 256 * OBJ, o_direct=True, aio=aio_on, **kw), metrics,
+                       pool=pool)
+        opened.append(t)
+        return t
+
+    yield open_
+    for t in opened:
+        t.close()
+
+
+def _payloads(tier, keys) -> list[bytes]:
+    out = []
+    for obj in tier.fetch(keys):
+        assert_object(obj, keys[len(out)])
+        out.append(bytes(obj.payload))
+        obj.release()  # the consumer's reference (TieredStore does this through done_with)
+    return out
+
+
+def _all_returned(pool: BufferPool, timeout: float = 5.0) -> bool:
+    """Every buffer the pool ever handed out is back (the driver may still be
+    reaping reads that landed after the consumer left). Every object here is
+    OBJ bytes: one size of buffer, and the pool keeps them all."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pool.allocated and pool._kept == pool.allocated * OBJ:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_o_direct_loads_take_the_aio_path_and_serve_what_threads_serve(open_tier):
+    c = make_chunks(40)
+    tier = open_tier()
+    assert tier.store(c.objs) == 40
+    stream = tier._stream(c.keys)
+    assert isinstance(stream, AioStream), "o_direct with aio on must read through native AIO here"
+    for obj in stream.iter(5.0):
+        obj.release()
+    assert tier.dir.direct_ok, "the test directory refused O_DIRECT: the AIO path was not exercised"
+    with_aio = _payloads(tier, c.keys)
+    threads = open_tier(aio_on=False)
+    assert isinstance(threads._stream(c.keys[:1]), ReadStream)
+    assert with_aio == _payloads(threads, c.keys) == c.payloads
+
+
+def test_a_load_stops_at_the_first_missing_object_and_returns_every_buffer(open_tier):
+    pool = BufferPool(64 << 20)
+    tier = open_tier(pool=pool)
+    c = make_chunks(30)
+    tier.store(c.objs)
+    tier.delete([c.keys[17]])
+    assert len(_payloads(tier, c.keys)) == 17
+    assert _all_returned(pool)
+
+
+def test_a_bad_object_ends_the_load_there_is_quarantined_and_counted(open_tier):
+    metrics = Metrics()
+    pool = BufferPool(64 << 20)
+    tier = open_tier(metrics=metrics, pool=pool, read_window_bytes=64 * OBJ)  # reads past the bad one in flight
+    c = make_chunks(30)
+    tier.store(c.objs)
+    path = tier.dir.path(c.keys[9])
+    with open(path, "r+b") as f:
+        f.seek(4096 + 10)
+        b = f.read(1)
+        f.seek(4096 + 10)
+        f.write(bytes([b[0] ^ 0xFF]))
+    assert len(_payloads(tier, c.keys)) == 9
+    assert metrics.value("kvtier_integrity_failures_total", tier=tier.name) == 1
+    assert not path.exists()
+    assert _all_returned(pool)
+
+
+def test_an_abandoned_load_returns_every_buffer(open_tier):
+    pool = BufferPool(64 << 20)
+    tier = open_tier(pool=pool, read_window_bytes=64 * OBJ)
+    c = make_chunks(60)
+    tier.store(c.objs)
+    it = tier.fetch(c.keys)
+    got = [next(it) for _ in range(3)]
+    it.close()  # the engine gave up on the rest
+    for o in got:
+        o.release()
+    assert _all_returned(pool)
+    assert len(_payloads(tier, c.keys)) == 60  # and the tier serves the next load whole
+
+
+def test_a_slow_read_times_out_the_load_and_its_buffers_come_back_later(open_tier):
+    pool = BufferPool(64 << 20)
+    tier = open_tier(pool=pool)
+    c = make_chunks(8)
+    tier.store(c.objs)
+    release = threading.Event()
+    finish = tier._finish_read
+
+    def slow_finish(key, op, got, t0):  # the 4th object "lands" only when released
+        if key == c.keys[3]:
+            release.wait(10)
+        return finish(key, op, got, t0)
+
+    stream = AioStream(tier.executor, c.keys, tier._begin_read, slow_finish, tier._read_one, pool,
+                       4 * OBJ, lambda: tier._bytes_per_token)
+    t0 = time.monotonic()
+    got = list(stream.iter(0.5))
+    waited = time.monotonic() - t0
+    assert len(got) == 3 and stream.failed is not None
+    assert waited < 3, waited
+    for o in got:
+        o.release()
+    release.set()
+    assert _all_returned(pool)
