@@ -102,17 +102,25 @@ def redis_get_ceiling(config: Any, targets: Sequence[tuple[str, int, bytes]], va
     outs = [p.communicate() for p in procs]
     wall = time.perf_counter() - t0
     cpu = _children_cpu() - c0
-    rps = 0.0
-    for p, (out, err), (_, n) in zip(procs, outs, cmds):
+    rates = []
+    for p, (out, err), _ in zip(procs, outs, cmds):
         if p.returncode != 0:
             raise RuntimeError(f"redis-benchmark failed ({p.returncode}): {(err or out).strip()[:300]}")
-        rps += _csv_rps(out, err)
+        rates.append(_csv_rps(out, err))
     nbytes = sum(n for _, n in cmds) * value_bytes
-    # The tool's own rates (its clock starts once its connections are up),
-    # summed over servers that ran at once; where its millisecond clock saw
-    # no time pass ("inf"), our wall clock, process start included.
-    seconds = nbytes / value_bytes / rps if 0 < rps < float("inf") else wall
-    return LoadPass(nbytes, seconds, cpu)
+    return LoadPass(nbytes, concurrent_seconds([n for _, n in cmds], rates, wall), cpu)
+
+
+def concurrent_seconds(requests: Sequence[int], rates: Sequence[float], wall: float) -> float:
+    """How long runs started at once took to serve ``requests`` GETs between
+    them, each at its own measured rate: the longest run (each tool's clock
+    starts once its connections are up). Not the sum of the rates, which
+    overstates the servers whenever one run ended before another (the others
+    then had the client's CPU to themselves). Where a millisecond clock saw
+    no time pass (rate "inf"), ``wall``, process start included."""
+    if any(not 0 < r < float("inf") for r in rates):
+        return wall
+    return max(n / r for n, r in zip(requests, rates))
 
 
 def _csv_rps(out: str, err: str) -> float:

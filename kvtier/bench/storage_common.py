@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Sequence
 
 from kvtier.buffers import copy_into
-from kvtier.codec import ChunkObject, encode
+from kvtier.codec import ChunkObject, encode, payload_checksum
 from kvtier.config import StoreConfig, TierSpec
 from kvtier.engine.store import TieredStore
 from kvtier.keys import ChunkKey, Namespace, chunk_keys
@@ -212,14 +212,21 @@ def memory_bench(cfg: StorageBenchConfig, sessions, lower: TierSpec, bufs, progr
         if any(mem.lookup(k) != len(k) for k in picked):
             raise StorageBenchError("memory tier did not keep the benchmark data")
         sources = [[o.payload for o in mem.fetch(k)] for k in picked]
-        mem_runs, cpy_runs = [], []
+        mem_runs, cpy_runs, cpy_cpu, sum_cpu = [], [], [], []
         tick = progress("memory loads", cfg.repeats * 2)
         for _ in range(max(cfg.repeats, 5)):
-            t0 = time.perf_counter()
+            c0, t0 = cpu_seconds(), time.perf_counter()
             for srcs in sources:
                 for src, dst in zip(srcs, bufs):
                     copy_into(dst, src)
             cpy_runs.append(used / (time.perf_counter() - t0) / 1e9)
+            cpy_cpu.append((cpu_seconds() - c0) / (used / 1e9))
+            # What verifying the same bytes costs (every load checks each payload's XXH3-128).
+            c0 = cpu_seconds()
+            for srcs in sources:
+                for src in srcs:
+                    payload_checksum(src)
+            sum_cpu.append((cpu_seconds() - c0) / (used / 1e9))
             t0 = time.perf_counter()
             for keys in picked:
                 if store.load(keys, bufs[: len(keys)]) != len(keys):
@@ -234,4 +241,6 @@ def memory_bench(cfg: StorageBenchConfig, sessions, lower: TierSpec, bufs, progr
         "memory_runs_gbps": mem_runs,
         "memcpy_gbps": median(cpy_runs),
         "memory_load_gbps": median(mem_runs),
+        "copy_cpu_s_per_gb": median(cpy_cpu),
+        "checksum_cpu_s_per_gb": median(sum_cpu),
     }

@@ -106,19 +106,19 @@ class AioContext:
     def room(self) -> int:
         return len(self._free)
 
-    def submit(self, reqs: list[tuple[int, int, int, int]]) -> int:
-        """Queue reads ``(request id, fd, buffer address, nbytes)`` at offset
-        0. Returns how many the kernel took (the rest: submit again later);
+    def submit(self, reqs: list[tuple[int, int, int, int, int]]) -> int:
+        """Queue reads ``(request id, fd, buffer address, nbytes, offset)``.
+        Returns how many the kernel took (the rest: submit again later);
         raises OSError if it took none."""
         if not reqs:
             return 0
         n = min(len(reqs), len(self._free))
         slots = [self._free.pop() for _ in range(n)]
-        for j, (slot, (rid, fd, addr, nbytes)) in enumerate(zip(slots, reqs)):
+        for j, (slot, (rid, fd, addr, nbytes, offset)) in enumerate(zip(slots, reqs)):
             cb = self._iocbs[slot]
             ctypes.memset(ctypes.byref(cb), 0, 64)
             cb.aio_data, cb.aio_lio_opcode, cb.aio_fildes = rid, IOCB_CMD_PREAD, fd
-            cb.aio_buf, cb.aio_nbytes, cb.aio_offset = addr, nbytes, 0
+            cb.aio_buf, cb.aio_nbytes, cb.aio_offset = addr, nbytes, offset
             self._ptrs[j] = ctypes.pointer(cb)
         ret = _syscall(ctypes.c_long(_NR["submit"]), self._ctx, ctypes.c_long(n), self._ptrs)
         took = max(0, ret)

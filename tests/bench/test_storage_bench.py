@@ -56,6 +56,11 @@ def test_bench_storage_cli_writes_table_and_json(tmp_path):
     assert r["fio"][r["fio_cpu_job"]]["read_mode"] == best["read_mode"]
     assert r["cpu_vs_fio"] == pytest.approx(r["cold_cpu_s_per_gb"] / r["fio_cpu_s_per_gb"])
     assert "CPU per GB read (user + system): kvtier" in proc.stdout and "cores at 10 GB/s" in proc.stdout
+    # The part every verified load pays (copy, checksum) apart from the read machinery.
+    assert r["copy_cpu_s_per_gb"] > 0 and r["checksum_cpu_s_per_gb"] > 0
+    assert r["cpu_floor_s_per_gb"] == pytest.approx(r["copy_cpu_s_per_gb"] + r["checksum_cpu_s_per_gb"])
+    assert r["cpu_machinery_s_per_gb"] == pytest.approx(max(0.0, r["cold_cpu_s_per_gb"] - r["cpu_floor_s_per_gb"]))
+    assert "the read machinery" in proc.stdout
     assert not (tmp_path / "d" / "fio" / "kvtier-fio.dat").exists(), "fio's file must be removed"
 
     # A rerun reuses the objects already written (check-before-write).
@@ -204,3 +209,13 @@ def test_bench_storage_tier_flag_takes_network_tiers_only(tmp_path):
                   "--no-progress", timeout=60)
     assert proc.returncode == 1, proc.stderr
     assert "kvtier bench storage: could not write benchmark data" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_clusters_ceiling_is_what_its_servers_served_together_not_the_sum_of_their_rates():
+    from kvtier.bench.ceiling import concurrent_seconds
+
+    # Two redis-benchmark runs started at once: 100 GETs at 100/s (1 s) and
+    # 100 GETs at 400/s (0.25 s). Together: 200 GETs in 1 s, 200/s, not 500/s.
+    assert concurrent_seconds([100, 100], [100.0, 400.0], wall=1.3) == pytest.approx(1.0)
+    assert concurrent_seconds([50], [100.0], wall=0.7) == pytest.approx(0.5)  # one server: its own clock
+    assert concurrent_seconds([100, 100], [float("inf"), 400.0], wall=1.3) == 1.3  # a clock saw no time pass

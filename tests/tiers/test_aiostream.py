@@ -6,6 +6,7 @@ iteration, a timeout)."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -47,13 +48,27 @@ def _payloads(tier, keys) -> list[bytes]:
     return out
 
 
-def _all_returned(pool: BufferPool, timeout: float = 5.0) -> bool:
+class CountingPool(BufferPool):
+    """A pool that knows how many bytes it ever allocated (it keeps them all)."""
+
+    def __init__(self):
+        super().__init__(64 << 20)
+        self.fresh_bytes = 0
+
+    def get(self, nbytes):
+        before = self.allocated
+        buf = super().get(nbytes)
+        if self.allocated > before:
+            self.fresh_bytes += buf.nbytes
+        return buf
+
+
+def _all_returned(pool: CountingPool, timeout: float = 5.0) -> bool:
     """Every buffer the pool ever handed out is back (the driver may still be
-    reaping reads that landed after the consumer left). Every object here is
-    OBJ bytes: one size of buffer, and the pool keeps them all."""
+    reaping reads that landed after the consumer left)."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        if pool.allocated and pool._kept == pool.allocated * OBJ:
+        if pool.allocated and pool._kept == pool.fresh_bytes:
             return True
         time.sleep(0.01)
     return False
@@ -75,7 +90,7 @@ def test_o_direct_loads_take_the_aio_path_and_serve_what_threads_serve(open_tier
 
 
 def test_a_load_stops_at_the_first_missing_object_and_returns_every_buffer(open_tier):
-    pool = BufferPool(64 << 20)
+    pool = CountingPool()
     tier = open_tier(pool=pool)
     c = make_chunks(30)
     tier.store(c.objs)
@@ -86,7 +101,7 @@ def test_a_load_stops_at_the_first_missing_object_and_returns_every_buffer(open_
 
 def test_a_bad_object_ends_the_load_there_is_quarantined_and_counted(open_tier):
     metrics = Metrics()
-    pool = BufferPool(64 << 20)
+    pool = CountingPool()
     tier = open_tier(metrics=metrics, pool=pool, read_window_bytes=64 * OBJ)  # reads past the bad one in flight
     c = make_chunks(30)
     tier.store(c.objs)
@@ -103,7 +118,7 @@ def test_a_bad_object_ends_the_load_there_is_quarantined_and_counted(open_tier):
 
 
 def test_an_abandoned_load_returns_every_buffer(open_tier):
-    pool = BufferPool(64 << 20)
+    pool = CountingPool()
     tier = open_tier(pool=pool, read_window_bytes=64 * OBJ)
     c = make_chunks(60)
     tier.store(c.objs)
@@ -117,7 +132,7 @@ def test_an_abandoned_load_returns_every_buffer(open_tier):
 
 
 def test_a_slow_read_times_out_the_load_and_its_buffers_come_back_later(open_tier):
-    pool = BufferPool(64 << 20)
+    pool = CountingPool()
     tier = open_tier(pool=pool)
     c = make_chunks(8)
     tier.store(c.objs)
@@ -139,4 +154,28 @@ def test_a_slow_read_times_out_the_load_and_its_buffers_come_back_later(open_tie
     for o in got:
         o.release()
     release.set()
+    assert _all_returned(pool)
+
+
+@pytest.mark.parametrize("cut", [None, 4096 + 100, 4096])
+def test_objects_read_in_pieces_arrive_whole_and_a_cut_file_is_caught(open_tier, cut):
+    """Each 8 KiB object read as two 4 KiB requests: the bytes are the
+    object's; a file cut inside or at the end of its first piece is a bad
+    object (quarantined), never a short payload."""
+    metrics = Metrics()
+    pool = CountingPool()
+    tier = open_tier(metrics=metrics, pool=pool, read_window_bytes=16 * OBJ)
+    c = make_chunks(12)
+    tier.store(c.objs)
+    if cut is not None:
+        os.truncate(tier.dir.path(c.keys[5]), cut)
+    stream = AioStream(tier.executor, c.keys, tier._begin_read, tier._finish_read, tier._read_one, pool,
+                       16 * OBJ, lambda: tier._bytes_per_token, piece_bytes=4096)
+    got = []
+    for obj in stream.iter(5.0):
+        assert_object(obj, c.keys[len(got)])
+        got.append(obj)
+        obj.release()
+    assert len(got) == (12 if cut is None else 5)
+    assert metrics.value("kvtier_integrity_failures_total", tier=tier.name) == (0 if cut is None else 1)
     assert _all_returned(pool)
