@@ -6,6 +6,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from kvtier.codec import HEADER_BLOCK, encode
 from kvtier.keys import Namespace, chunk_keys
 from kvtier.tiers.shared import SharedConfig, SharedTier
@@ -165,6 +167,25 @@ def test_demo_exits_1_when_a_configuration_failed(tmp_path, monkeypatch, capsys)
     assert "example failed" in capsys.readouterr().err
     summary["failed"] = []
     assert cli.main(["demo", "--dir", str(tmp_path)]) == 0
+
+
+@pytest.mark.parametrize("dtype,flag,tokens", [("bfloat16", [], 2048), ("float32", [], 512),
+                                                ("float32", ["--tokens", "1024"], 1024)])
+def test_demo_sessions_are_shorter_where_prefill_runs_in_float32(tmp_path, monkeypatch, capsys, dtype, flag, tokens):
+    """On a CPU without native bfloat16 the dummy weights run in float32 at
+    tens of tokens per second: the demo's sessions shrink so that it still
+    takes minutes, unless --tokens says otherwise."""
+    from kvtier import cli
+    from kvtier.bench import resume, resume_report
+
+    seen = []
+    monkeypatch.setattr(resume, "resolve_dtype", lambda d: dtype)
+    monkeypatch.setattr(resume, "run", lambda cfg, progress=None: seen.append(cfg) or {"failed": []})
+    monkeypatch.setattr(resume_report, "format_table", lambda s: "table")
+    monkeypatch.setattr(resume_report, "write_report", lambda s, d: [])
+    assert cli.main(["demo", "--dir", str(tmp_path), *flag]) == 0
+    assert seen[0].contexts == (tokens,)
+    assert (f"sessions of {tokens} tokens" in capsys.readouterr().out)
 
 
 # ---------------------------------------------------------------- ownership: whose directory it is

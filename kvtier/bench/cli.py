@@ -70,9 +70,9 @@ def _storage_parser(bsub) -> None:
     bs.add_argument("--windows", type=argtypes.sizes, default=(16 << 20, 64 << 20, 128 << 20), help="read windows to try, comma-separated (default 16MiB,64MiB,128MiB)")
     bs.add_argument("--fio-depths", type=argtypes.ints, default=(1, 8, 32), help="fio queue depths (default 1,8,32)")
     bs.add_argument("--read-modes", type=_read_modes, default=("direct", "buffered"),
-                    help="kvtier read modes to measure, comma-separated: direct (o_direct: true; reads issued with "
-                    "native AIO from one thread), buffered (o_direct: false), direct-threads (o_direct: true, aio: "
-                    "false; one pool thread per read, the path before AIO) (default direct,buffered)")
+                    help="kvtier read modes to measure, comma-separated: direct (o_direct: true; one pool thread per "
+                    "read), buffered (o_direct: false), direct-aio (o_direct: true, aio: true; reads issued with native "
+                    "AIO from one thread) (default direct,buffered)")
     bs.add_argument("--repeats", type=int, default=3, help="runs per measurement; medians are reported (default 3)")
     bs.add_argument("--memory", type=argtypes.size, default=1 << 30, help="bytes used for the memory-tier comparison (default 1GiB)")
     bs.add_argument("--io-threads", type=int, default=32, help="I/O threads of the tier (default 32)")
@@ -246,7 +246,9 @@ def _demo_parser(subparsers) -> None:
     dm.add_argument("--dir", default=".demo-store", help="working directory: model config, tiers, engine log (default .demo-store)")
     dm.add_argument("--model", default="qwen2.5-0.5b", help="model shape preset: qwen2.5-0.5b (default), tiny-llama, tiny-qwen2")
     dm.add_argument("--sessions", type=int, default=3, help="sessions (default 3)")
-    dm.add_argument("--tokens", type=int, default=2048, help="tokens per session (default 2048)")
+    dm.add_argument("--tokens", type=int, default=None,
+                    help="tokens per session (default 2048 on a GPU or a CPU with native bfloat16; 512 on other CPUs, "
+                    "where the dummy weights run in float32 at tens of tokens per second)")
     dm.add_argument("--json", help="also write the figures to this JSON file")
     dm.set_defaults(func=cmd_demo)
 
@@ -255,9 +257,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """The quick preset of ``kvtier bench resume``: W1 at one context length."""
     from kvtier.bench import resume, resume_report
 
-    cfg = resume.ResumeConfig(workdir=Path(args.dir), workload="w1", model=args.model, contexts=(args.tokens,),
+    dtype = resume.resolve_dtype("auto")
+    tokens = args.tokens if args.tokens is not None else (2048 if dtype == "bfloat16" else 512)
+    cfg = resume.ResumeConfig(workdir=Path(args.dir), workload="w1", model=args.model, contexts=(tokens,),
                               sessions=args.sessions)
-    print(f"kvtier demo: {args.sessions} sessions of {args.tokens} tokens ({args.model}, dummy weights in "
+    if args.tokens is None and tokens != 2048:
+        print(f"kvtier demo: this CPU has no native bfloat16, so the dummy weights run in float32 and prefill is slow: "
+              f"sessions of {tokens} tokens instead of 2048 keep the demo to minutes (--tokens sets it)")
+    print(f"kvtier demo: {args.sessions} sessions of {tokens} tokens ({args.model}, dummy weights in "
           f"{resume.resolve_dtype(cfg.dtype)}) are "
           f"prefilled, evicted by the engine, then resumed; one vLLM engine per configuration, "
           f"{len(cfg.config_names())} configurations. Engine logs: {Path(args.dir) / 'logs'}")

@@ -59,7 +59,7 @@ def _shared_spec(path: Path, capacity: int, window: int, threads: int, mode: str
         "shared",
         SharedConfig(
             path=str(path), capacity=capacity, name="shared", o_direct=fio_mode(mode) == "direct",
-            aio=mode != "direct-threads",
+            aio=mode == "direct-aio",
             read_window_bytes=window, io_threads=threads, gc_interval_s=0,
         ),
     )

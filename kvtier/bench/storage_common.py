@@ -34,9 +34,9 @@ MiB = 1 << 20
 GiB = 1 << 30
 
 READ_MODES = ("direct", "buffered")  # the file tiers' o_direct: true / false (measured by default)
-# Every mode ``--read-modes`` takes: "direct-threads" is O_DIRECT read by one
-# pool thread per object (aio: false), the read path before native AIO.
-READ_MODE_CHOICES = ("direct", "buffered", "direct-threads")
+# Every mode ``--read-modes`` takes: "direct-aio" is O_DIRECT issued with
+# Linux native AIO from one driver thread (aio: true).
+READ_MODE_CHOICES = ("direct", "buffered", "direct-aio")
 
 
 def fio_mode(mode: str) -> str:

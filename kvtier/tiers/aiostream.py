@@ -1,6 +1,7 @@
 """``AioStream``: the directory tiers' O_DIRECT reader. One driver thread
-keeps a load's reads in flight on the device with Linux native AIO and
-verifies each object as it lands; the consumer takes them in key order.
+keeps a load's reads in flight on the device with Linux native AIO; each
+object that lands is verified on the tier's pool (checksums of many objects
+on as many cores); the consumer takes them in key order.
 
 It answers to the same calls as ``ReadStream`` (``iter``, ``stop``,
 ``failed``), with the same rules: objects are read into buffers the stream
@@ -14,8 +15,8 @@ futex calls per object), and a future with its callbacks.
 
 Threads: the driver runs as one LOAD job on the tier's ``PriorityExecutor``
 (it may block in the kernel: a hung mount holds the driver, not the
-consumer, whose wait is bounded by its deadline); the consumer's thread
-iterates; ``stop`` may come from either.
+consumer, whose wait is bounded by its deadline), and each verification as
+another; the consumer's thread iterates; ``stop`` may come from any.
 """
 
 from __future__ import annotations
@@ -87,7 +88,9 @@ class AioStream:
         self._end = len(keys)  # first index that is a miss or an error: nothing past it is handed out
         self._consumed: int | None = None  # set by stop: results from here on are released
         self._done = False  # the driver has finished
+        self._verifying = 0  # reads landed and being verified on the pool
         self.failed: BaseException | None = None  # error or timeout that ended the stream
+        self._executor = executor
         self._job = executor.submit(LOAD, self._drive)
 
     # ------------------------------------------------------------ driver
@@ -171,11 +174,29 @@ class AioStream:
                         r.op.abandon(self._pool)
                         self._set(i, OSError(errs[0], f"read failed: {os.strerror(errs[0])}"))
                     else:
-                        self._set(i, self._finish(self._keys[i], r.op, r.got(), r.t0))
+                        # Verified on the pool, not here: checksums of many
+                        # objects then run on as many cores, and the driver
+                        # goes straight back to keeping the device busy.
+                        with self._cond:
+                            self._verifying += 1
+                        try:
+                            self._executor.submit(LOAD, self._verify, i, r)
+                        except RuntimeError:  # the tier is closing: verify here
+                            self._verify(i, r)
         finally:
             ctx.close()  # waits for every read still in flight: their buffers are free after
             for r in pending.values():
                 r.op.abandon(self._pool)
+
+    def _verify(self, i: int, r: "_Read") -> None:
+        try:
+            val = self._finish(self._keys[i], r.op, r.got(), r.t0)
+        except Exception as exc:
+            val = exc
+        self._set(i, val)
+        with self._cond:
+            self._verifying -= 1
+            self._cond.notify_all()
 
     @staticmethod
     def _submit(ctx: AioContext, backlog: list) -> bool:
@@ -233,7 +254,7 @@ class AioStream:
         try:
             for i in range(len(self._keys)):
                 with self._cond:
-                    while i not in self._results and not (self._done or i > self._end):
+                    while i not in self._results and not ((self._done and not self._verifying) or i > self._end):
                         remaining = None if deadline is None else deadline - time.monotonic()
                         if remaining is not None and remaining <= 0:
                             self.failed = FutureTimeout()

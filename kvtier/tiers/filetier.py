@@ -43,9 +43,9 @@ class FileTierConfig:
     cold_reads: bool = opt(False, "drop each object from the page cache after reading it (benchmarks)")
     read_window_bytes: int = size_field(64 << 20, "bytes of reads in flight per load")
     io_threads: int = opt(16, "threads of this tier's I/O pool", ge=1)
-    aio: bool = opt(True, "with o_direct: issue a load's reads with Linux native AIO from one thread, verifying "
-                    "each as it lands (false: one pool thread per read; where the kernel offers no AIO, "
-                    "threads are used anyway)")
+    aio: bool = opt(False, "with o_direct: issue a load's reads with Linux native AIO from one driver thread, "
+                    "each landed object verified on the pool (false: one pool thread per blocking read; where the "
+                    "kernel offers no AIO, threads are used anyway)")
     fsync: bool = opt(False, "fsync each object before publishing (checksums already catch torn data)")
 
     def validate(self, prefix: str = "") -> None:

@@ -93,7 +93,7 @@ def test_bench_storage_rejects_bad_flags(tmp_path):
         capture_output=True, text=True, timeout=60,
     )
     assert proc.returncode == 2
-    assert "expected some of direct, buffered, direct-threads" in proc.stderr
+    assert "expected some of direct, buffered, direct-aio" in proc.stderr
 
 
 @needs_fio

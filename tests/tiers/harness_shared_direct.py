@@ -1,7 +1,7 @@
-"""The shared directory tier read with O_DIRECT (``o_direct: true``), whose
-loads go through native AIO from one driver thread (``AioStream``) where the
-kernel offers it, in the contract suite: the same contract as the buffered
-shared tier, on the other read path."""
+"""The shared directory tier read with O_DIRECT through native AIO
+(``o_direct: true, aio: true``: one driver thread per load, ``AioStream``)
+in the contract suite: the same contract as the buffered shared tier, on
+the other read path."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ class SharedDirectHarness(SharedHarness):
     tier_kind = "shared"
 
     def _open(self, capacity):
-        return SharedTier(shared_config(self.path, capacity, name=self.name, touch_interval_s=0.0, o_direct=True),
+        return SharedTier(shared_config(self.path, capacity, name=self.name, touch_interval_s=0.0, o_direct=True, aio=True),
                           self.metrics)
 
 

@@ -20,7 +20,9 @@ from kvtier.tiers.readstream import ReadStream
 from kvtier.tiers.shared import SharedTier
 from tests.support import OBJ, assert_object, make_chunks, shared_config
 
-pytestmark = pytest.mark.skipif(not aio.available(), reason="this kernel offers no native AIO")
+# In CI the kernel must offer it (these machines do): there a missing AIO fails instead of skipping.
+pytestmark = pytest.mark.skipif(not aio.available() and not os.environ.get("CI"),
+                                reason="this kernel offers no native AIO")
 
 
 @pytest.fixture

@@ -97,11 +97,12 @@ CORRUPTIONS = {
 }
 
 
-@pytest.mark.parametrize("o_direct", [False, True], ids=["buffered", "o_direct"])
+@pytest.mark.parametrize("read", [{}, {"o_direct": True}, {"o_direct": True, "aio": True}],
+                         ids=["buffered", "o_direct", "o_direct-aio"])
 @pytest.mark.parametrize("corrupt", sorted(CORRUPTIONS))
-def test_a_corrupt_object_is_a_miss_counted_and_quarantined(open_shared, corrupt, o_direct):
+def test_a_corrupt_object_is_a_miss_counted_and_quarantined(open_shared, corrupt, read):
     metrics = Metrics()
-    tier = open_shared(metrics=metrics, o_direct=o_direct)
+    tier = open_shared(metrics=metrics, **read)
     c = make_chunks(3)
     tier.store(c.objs)
     path = tier.dir.path(c.keys[1])
