@@ -39,7 +39,7 @@ import threading
 import urllib.request
 from email.utils import parsedate_to_datetime
 from typing import Any, Callable
-from urllib.parse import urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 from kvtier.buffers import BufferPool, align_up
 from kvtier.errors import CorruptObject
@@ -66,6 +66,77 @@ def enabled(endpoint: str | None) -> bool:
     return parts.scheme not in proxies or bool(urllib.request.proxy_bypass(parts.hostname or ""))
 
 
+_UNKNOWN = object()
+# The query parameters of the presigned GETs ``QuerySigner`` makes itself
+# (SigV4; and SigV2, which botocore presigns with in us-east-1 or without a
+# region unless told otherwise); a client that adds any other keeps
+# presigning through boto3.
+_SIGV4_QUERY = {"X-Amz-Algorithm", "X-Amz-Credential", "X-Amz-Date", "X-Amz-Expires", "X-Amz-SignedHeaders",
+                "X-Amz-Signature", "X-Amz-Security-Token"}
+_SIGV2_QUERY = {"AWSAccessKeyId", "Signature", "Expires", "x-amz-security-token"}
+_PROBE = "kvtier-presign-probe"
+
+
+class QuerySigner:
+    """Presigns requests for the objects of one bucket as the tier's boto3
+    client would, at a fraction of the CPU: the client's
+    ``generate_presigned_url`` spends about 0.57 ms per SigV4 URL on this
+    project's machine (0.39 per SigV2 URL: parameter handling, endpoint
+    rules, events), botocore's query signers alone 0.20 (SigV4) and 0.09 ms
+    (SigV2), and a load presigns twice per chunk (HEAD, GET).
+
+    ``learn`` presigns one probe URL through the client and keeps what comes
+    before the key (scheme, host, addressing style, bucket), the signing
+    region from its credential scope (SigV4), and the client's credentials object
+    (botocore's ``_request_signer._credentials``, a private attribute: if a
+    botocore release drops it, or the client presigns otherwise than SigV4
+    with only the usual parameters, ``learn`` returns None and the tier
+    presigns through the client as before). Refreshable credentials are
+    frozen per URL, as botocore does. The signature is botocore's own
+    (``S3SigV4QueryAuth``, ``HmacV1QueryAuth``); tests compare its URLs with
+    the client's.
+    """
+
+    def __init__(self, base: str, region: str | None, credentials: Any):
+        """``region`` None: SigV2."""
+        self._base, self._region, self._credentials = base, region, credentials
+
+    @classmethod
+    def learn(cls, client: Any, bucket: str) -> "QuerySigner | None":
+        try:
+            url = client.generate_presigned_url("get_object", Params={"Bucket": bucket, "Key": _PROBE},
+                                                ExpiresIn=_URL_TTL_S)
+            credentials = client._request_signer._credentials
+        except Exception:  # noqa: BLE001 - any surprise: keep presigning through the client
+            return None
+        path, _, query = url.partition("?")
+        params = dict(p.split("=", 1) for p in query.split("&") if "=" in p)
+        if credentials is None or not path.endswith("/" + _PROBE):
+            return None
+        base = path[: -len(_PROBE)]
+        if "X-Amz-Algorithm" in params:
+            scope = unquote(params.get("X-Amz-Credential", "")).split("/")
+            if (set(params) <= _SIGV4_QUERY and params["X-Amz-Algorithm"] == "AWS4-HMAC-SHA256"
+                    and len(scope) == 5 and scope[3] == "s3"):
+                return cls(base, scope[2], credentials)
+            return None
+        if set(params) <= _SIGV2_QUERY and {"AWSAccessKeyId", "Signature", "Expires"} <= set(params):
+            return cls(base, None, credentials)
+        return None
+
+    def sign(self, method: str, key: str) -> str:
+        from botocore.auth import HmacV1QueryAuth, S3SigV4QueryAuth
+        from botocore.awsrequest import AWSRequest
+
+        request = AWSRequest(method=method, url=self._base + quote(key, safe="/~"))
+        frozen = self._credentials.get_frozen_credentials()
+        if self._region is None:
+            HmacV1QueryAuth(frozen, expires=_URL_TTL_S).add_auth(request)
+        else:
+            S3SigV4QueryAuth(frozen, "s3", self._region, expires=_URL_TTL_S).add_auth(request)
+        return request.url
+
+
 class PresignedHTTP:
     """Presigned GET/HEAD of one object at a time; ``client`` returns the
     tier's boto3 client (made anew in a forked child)."""
@@ -78,6 +149,8 @@ class PresignedHTTP:
         self._idle: dict[tuple[str, str, int], list[http.client.HTTPConnection]] = {}
         self._pid = os.getpid()
         self._ssl: ssl.SSLContext | None = None
+        self._signers: dict[str, QuerySigner | None] = {}  # per bucket; None: presign through the client
+        self._signers_of: Any = None  # the client they were learnt from
 
     # ------------------------------------------------------------ requests
     def head(self, bucket: str, name: str) -> tuple[int, float] | None:
@@ -115,11 +188,29 @@ class PresignedHTTP:
             return buf, n, _last_modified(resp)
 
     def _request(self, method: str, op: str, bucket: str, name: str) -> "_Exchange":
-        url = self._client().generate_presigned_url(op, Params={"Bucket": bucket, "Key": name}, ExpiresIn=_URL_TTL_S)
+        url = self.presign(method, op, bucket, name)
         parts = urlsplit(url)
         target = parts.path + ("?" + parts.query if parts.query else "")
         where = (parts.scheme, parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80))
         return _Exchange(self, where, method, target)
+
+    def presign(self, method: str, op: str, bucket: str, name: str) -> str:
+        """The presigned URL of one request. Signed by ``QuerySigner`` (the
+        URL the client builds for ``bucket``, signed with botocore's own
+        SigV4 query signer) where the client presigns that way, else by the
+        client's ``generate_presigned_url``."""
+        client = self._client()
+        with self._lock:
+            if self._signers_of is not client:  # a new client (forked child): learn again
+                self._signers, self._signers_of = {}, client
+            signer = self._signers.get(bucket, _UNKNOWN)
+        if signer is _UNKNOWN:
+            signer = QuerySigner.learn(client, bucket)
+            with self._lock:
+                self._signers[bucket] = signer
+        if signer is None:
+            return client.generate_presigned_url(op, Params={"Bucket": bucket, "Key": name}, ExpiresIn=_URL_TTL_S)
+        return signer.sign(method, name)
 
     # ------------------------------------------------------------ connections
     def _take(self, where: tuple[str, str, int]) -> tuple[http.client.HTTPConnection, bool]:
