@@ -10,7 +10,8 @@ with, as fio is for directories.
 - S3: plain parallel GETs of the same objects, nothing verified or copied
   after the read, with as many in flight as kvtier, through three clients:
   boto3 ``get_object`` (threads, each body read into a buffer of its own);
-  URLs presigned by boto3 and fetched with ``http.client`` over kept-alive
+  URLs presigned for boto3's client (as kvtier's reads sign them) and
+  fetched with ``http.client`` over kept-alive
   connections (the request path kvtier's S3 tier uses for its reads); and,
   where ``awscrt`` is installed, the AWS common runtime's S3 client (C, its
   own event loop). The fastest is the ceiling; all are reported.
@@ -37,6 +38,7 @@ from urllib.parse import urlsplit
 
 from kvtier.buffers import alloc
 from kvtier.bench.storage_common import LoadPass, cpu_seconds
+from kvtier.tiers.s3_http import QuerySigner
 
 
 class CeilingMissing(RuntimeError):
@@ -176,13 +178,17 @@ def s3_boto3_ceiling(client: Any, bucket: str, names: Sequence[str], object_byte
 
 def s3_presigned_ceiling(client: Any, bucket: str, names: Sequence[str], object_bytes: int, clients: int,
                          tls: "ssl.SSLContext | None" = None) -> LoadPass:
-    """Plain GETs of URLs presigned by a boto3 client, sent over one kept-alive
-    ``http.client`` connection per thread, each body read straight into a
-    buffer of the reading thread."""
+    """Plain GETs of URLs presigned for a boto3 client, sent over one
+    kept-alive ``http.client`` connection per thread, each body read straight
+    into a buffer of the reading thread. URLs are signed the cheapest way
+    kvtier knows, as its own reads sign them (``s3_http.QuerySigner``, else
+    the client's ``generate_presigned_url``)."""
     local = threading.local()
+    signer = QuerySigner.learn(client, bucket)
 
     def get(name: str) -> int:
-        url = urlsplit(client.generate_presigned_url("get_object", Params={"Bucket": bucket, "Key": name}, ExpiresIn=900))
+        url = urlsplit(signer.sign("GET", name) if signer is not None else
+                       client.generate_presigned_url("get_object", Params={"Bucket": bucket, "Key": name}, ExpiresIn=900))
         if not hasattr(local, "conn"):
             local.buf = alloc(object_bytes, populate=True)
             local.conn = (http.client.HTTPSConnection(url.hostname, url.port or 443, timeout=30, context=tls)
