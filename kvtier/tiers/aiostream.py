@@ -89,6 +89,7 @@ class AioStream:
         self._consumed: int | None = None  # set by stop: results from here on are released
         self._done = False  # the driver has finished
         self._verifying = 0  # reads landed and being verified on the pool
+        self._crash: BaseException | None = None  # what ended the driver, if it failed
         self.failed: BaseException | None = None  # error or timeout that ended the stream
         self._executor = executor
         self._job = executor.submit(LOAD, self._drive)
@@ -97,13 +98,10 @@ class AioStream:
     def _drive(self) -> None:
         try:
             self._run()
-        except BaseException as exc:  # unexpected: end the stream where it is
+        except BaseException as exc:  # unexpected: the stream ends where the consumer is
             log.warning("kvtier: a read stream's driver failed: %s", exc)
             with self._cond:
-                i = 0
-                while i in self._results:
-                    i += 1
-            self._set(i, exc)
+                self._crash = exc
         finally:
             with self._cond:
                 self._done = True
@@ -261,6 +259,10 @@ class AioStream:
                             return
                         self._cond.wait(remaining)
                     val = self._results.pop(i, _ABSENT)
+                    crash = self._crash
+                if val is _ABSENT and crash is not None:
+                    self.failed = crash
+                    return
                 if val is _ABSENT or val is None:
                     return
                 if isinstance(val, BaseException):

@@ -181,3 +181,23 @@ def test_objects_read_in_pieces_arrive_whole_and_a_cut_file_is_caught(open_tier,
     assert len(got) == (12 if cut is None else 5)
     assert metrics.value("kvtier_integrity_failures_total", tier=tier.name) == (0 if cut is None else 1)
     assert _all_returned(pool)
+
+
+def test_a_driver_that_cannot_start_fails_the_load_and_the_request_recomputes(open_tier, monkeypatch):
+    """io_setup refused (the system's AIO request limit reached): the load
+    ends as failed, nothing is handed out, and nothing leaks."""
+    from kvtier.tiers import aiostream
+
+    def refuse(depth):
+        raise OSError(11, "io_setup: Resource temporarily unavailable")
+
+    pool = CountingPool()
+    tier = open_tier(pool=pool)
+    c = make_chunks(4)
+    tier.store(c.objs)
+    monkeypatch.setattr(aiostream, "AioContext", refuse)
+    stream = AioStream(tier.executor, c.keys, tier._begin_read, tier._finish_read, tier._read_one, pool,
+                       4 * OBJ, lambda: tier._bytes_per_token)
+    assert list(stream.iter(5.0)) == []
+    assert isinstance(stream.failed, OSError)
+    assert pool.allocated == 0
