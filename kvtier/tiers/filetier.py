@@ -15,7 +15,7 @@ import errno
 import logging
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence, TypeVar
 
 from kvtier.codec import ChunkObject, key_of
 from kvtier.config import ConfigError, opt, size_field
@@ -29,6 +29,7 @@ from kvtier.tiers.files import ObjectDir, OpenRead
 from kvtier.tiers.pooled import PooledTier
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -96,14 +97,10 @@ class FileTier(PooledTier):
     # ------------------------------------------------------------ contract
     def _read_one(self, key: ChunkKey) -> ChunkObject | None:
         t0 = time.perf_counter()
-        try:
-            obj, mtime = self.dir.read(key, self.config.o_direct, self.config.cold_reads, self.pool)
-        except FileNotFoundError:
-            self._forget(key)
+        read = self._judged(key, lambda: self.dir.read(key, self.config.o_direct, self.config.cold_reads, self.pool))
+        if read is None:
             return None
-        except CorruptObject as exc:
-            self._corrupt(key, exc)
-            return None
+        obj, mtime = read
         self._accepted(key, obj, mtime, t0)
         return obj
 
@@ -116,23 +113,25 @@ class FileTier(PooledTier):
         return super()._stream(keys)
 
     def _begin_read(self, key: ChunkKey) -> OpenRead | None:
+        return self._judged(key, lambda: self.dir.open_read(key, True, self.pool))
+
+    def _finish_read(self, key: ChunkKey, op: OpenRead, got: int, t0: float) -> ChunkObject | None:
+        obj = self._judged(key, lambda: self.dir.finish_read(key, op, got, self.pool))
+        if obj is not None:
+            self._accepted(key, obj, op.mtime, t0)
+        return obj
+
+    def _judged(self, key: ChunkKey, read: Callable[[], T]) -> T | None:
+        """``read()``, or None where it found no object (forgotten) or a bad
+        one (quarantined and counted); other errors pass."""
         try:
-            return self.dir.open_read(key, True, self.pool)
+            return read()
         except FileNotFoundError:
             self._forget(key)
             return None
         except CorruptObject as exc:
             self._corrupt(key, exc)
             return None
-
-    def _finish_read(self, key: ChunkKey, op: OpenRead, got: int, t0: float) -> ChunkObject | None:
-        try:
-            obj = self.dir.finish_read(key, op, got, self.pool)
-        except CorruptObject as exc:
-            self._corrupt(key, exc)
-            return None
-        self._accepted(key, obj, op.mtime, t0)
-        return obj
 
     def _corrupt(self, key: ChunkKey, exc: CorruptObject) -> None:
         log.warning("tier %s: object %s failed verification (%s); quarantined", self.name, key.hex[:16], exc)
