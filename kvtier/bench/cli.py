@@ -147,6 +147,9 @@ def _resume_parser(bsub) -> None:
     br.add_argument("--model", default="qwen2.5-0.5b", help="model shape preset (default qwen2.5-0.5b; tiny-llama for a smoke run)")
     br.add_argument("--contexts", type=argtypes.ints, default=(2048, 8192), help="w1/w3/w0: session lengths in tokens (default 2048,8192)")
     br.add_argument("--sessions", type=int, default=3, help="sessions per context, or w2 conversations (default 3)")
+    br.add_argument("--resumes", type=int, default=1,
+                    help="w1/w3: times every session is resumed, each time cold (default 1); more samples per "
+                    "prefill where prefills are slow (needs --sessions 2 or more)")
     br.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
                     help="dummy weights' dtype (default auto: bfloat16 where the host computes it natively, "
                          "float32 on CPUs without AVX512-BF16/AMX, which emulate bfloat16 ~100x slower)")
@@ -203,6 +206,9 @@ def cmd_bench_resume(args: argparse.Namespace) -> int:
         raise ConfigError("--configs", f"unknown configuration {unknown[0]!r}",
                           f"use some of: {', '.join(resume.ALL_CONFIGS)} (kvtier ones with {resume.MP} for vLLM's "
                           "multiprocess mode)")
+    if args.resumes < 1 or (args.resumes > 1 and args.sessions < 2):
+        raise ConfigError("--resumes", f"{args.resumes} resumes of {args.sessions} session(s): a session resumed "
+                          "again must have been evicted by another one", "pass --resumes 1, or --sessions 2 or more")
     if args.instances < 1:
         raise ConfigError("--instances", f"must be at least 1, got {args.instances}", "pass --instances 3, say")
     chat = ChatShape(sessions=args.sessions, turns=args.turns, system_tokens=args.system_tokens,
@@ -210,7 +216,7 @@ def cmd_bench_resume(args: argparse.Namespace) -> int:
                      arrival_rate=args.rate, concurrency=args.concurrency)
     cfg = resume.ResumeConfig(
         workdir=Path(args.dir), workload=args.workload, model=args.model, contexts=args.contexts,
-        sessions=args.sessions, configs=tuple(args.configs), dummy_weights=not args.checkpoint, dtype=args.dtype,
+        sessions=args.sessions, resumes=args.resumes, configs=tuple(args.configs), dummy_weights=not args.checkpoint, dtype=args.dtype,
         chat=chat,
         instances=args.instances, repeats=args.repeats, rounds=args.rounds, fio=not args.no_fio, vocab=args.vocab, seed=args.seed,
         throttle_bps=args.throttle, load_decision=args.load_decision,

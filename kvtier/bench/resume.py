@@ -94,6 +94,7 @@ class ResumeConfig:
     model: str = "qwen2.5-0.5b"
     contexts: tuple[int, ...] = (2048, 8192)
     sessions: int = 3
+    resumes: int = 1                       # W1/W3: cold resumes of every session (phases resume, resume-2, ...)
     configs: tuple[str, ...] = ()          # empty: the workload's default set
     dummy_weights: bool = True
     dtype: str = "auto"                    # dummy weights: bfloat16 where the host computes it natively, else float32
@@ -120,9 +121,9 @@ def cases(cfg: ResumeConfig) -> list[tuple[str, wl.Workload]]:
     """(label, workload) pairs the run measures, one row group each."""
     vocab = cfg.vocab or PRESETS[cfg.model][6]
     if cfg.workload == "w1":
-        return [(str(c), wl.w1(cfg.sessions, c, vocab, cfg.seed)) for c in cfg.contexts]
+        return [(str(c), wl.w1(cfg.sessions, c, vocab, cfg.seed, cfg.resumes)) for c in cfg.contexts]
     if cfg.workload == "w3":
-        return [(str(c), wl.w3(cfg.sessions, c, vocab, cfg.instances, cfg.seed)) for c in cfg.contexts]
+        return [(str(c), wl.w3(cfg.sessions, c, vocab, cfg.instances, cfg.seed, cfg.resumes)) for c in cfg.contexts]
     if cfg.workload == "w2":
         return [("chat", wl.w2(cfg.chat, vocab, cfg.seed))]
     return [(str(c), wl.w0(cfg.sessions, c, vocab, cfg.seed)) for c in cfg.contexts]

@@ -111,21 +111,33 @@ def _tokens(rng: random.Random, n: int, vocab: int) -> tuple[int, ...]:
     return tuple(rng.randrange(3, vocab) for _ in range(n))
 
 
-def w1(sessions: int, context: int, vocab: int, seed: int = 0) -> Workload:
+def w1(sessions: int, context: int, vocab: int, seed: int = 0, resumes: int = 1) -> Workload:
+    """``resumes`` > 1 resumes every session again, each round a cold phase
+    of its own ("resume", "resume-2", ...): more samples per prefill where
+    prefills are slow. With two or more sessions a round's resume of a
+    session is never in vLLM's own cache (the other sessions evicted it)."""
+    if resumes > 1 and sessions < 2:
+        raise ValueError("resuming a session more than once needs at least 2 sessions (with one, the engine's "
+                         "own prefix cache would still hold it)")
     rng = random.Random(seed * 1000 + context)
     prompts = [_tokens(rng, context, vocab) for _ in range(sessions)]
     warm = tuple(Request(f"s{i}-warm", i, 0, p, 1) for i, p in enumerate(prompts))
-    resume = tuple(Request(f"s{i}-resume", i, 1, p, 1) for i, p in enumerate(prompts))
-    return Workload(
-        "W1", f"long-context cold resume: {sessions} sessions of {context} tokens",
-        (Phase("warm", warm, measured=False), Phase("resume", resume, cold=True)),
-        params={"sessions": sessions, "context": context, "seed": seed},
-    )
+    rounds = []
+    for k in range(1, max(1, resumes) + 1):
+        tag = "resume" if k == 1 else f"resume-{k}"
+        reqs = tuple(Request(f"s{i}-{tag}", i, k, p, 1) for i, p in enumerate(prompts))
+        rounds.append(Phase(tag, reqs, cold=True))
+    desc = f"long-context cold resume: {sessions} sessions of {context} tokens"
+    params = {"sessions": sessions, "context": context, "seed": seed}
+    if resumes > 1:
+        desc += f", each resumed {resumes} times"
+        params["resumes"] = resumes
+    return Workload("W1", desc, (Phase("warm", warm, measured=False), *rounds), params=params)
 
 
-def w3(sessions: int, context: int, vocab: int, instances: int, seed: int = 0) -> Workload:
+def w3(sessions: int, context: int, vocab: int, instances: int, seed: int = 0, resumes: int = 1) -> Workload:
     """W1 over ``instances`` engines, each request routed uniformly at random."""
-    base = w1(sessions, context, vocab, seed)
+    base = w1(sessions, context, vocab, seed, resumes)
     rng = random.Random(seed * 7919 + instances)
     phases = []
     for p in base.phases:

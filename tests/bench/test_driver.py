@@ -4,6 +4,8 @@ serves each request in a fixed time (the driver's logic, no engine)."""
 
 import time
 
+import pytest
+
 from kvtier.bench.driver import run_phase
 from kvtier.bench.workloads import ChatShape, Phase, Request, Workload, hash_ids, w1, w2, w3
 
@@ -72,6 +74,14 @@ def test_workload_shapes_and_routing():
     one = w1(3, 512, 100)
     assert [p.name for p in one.phases] == ["warm", "resume"] and one.phases[1].cold
     assert [r.tokens for r in one.phases[0].requests] == [r.tokens for r in one.phases[1].requests]
+    again = w1(2, 512, 100, resumes=3)
+    assert [(p.name, p.cold, p.measured) for p in again.phases] == [
+        ("warm", False, False), ("resume", True, True), ("resume-2", True, True), ("resume-3", True, True)]
+    assert [r.id for r in again.phases[3].requests] == ["s0-resume-3", "s1-resume-3"]
+    assert [r.turn for r in again.phases[2].requests] == [2, 2] and again.params["resumes"] == 3
+    assert again.phases[3].requests[1].tokens == again.phases[0].requests[1].tokens
+    with pytest.raises(ValueError, match="at least 2 sessions"):
+        w1(1, 512, 100, resumes=2)  # the engine's own cache would serve the second resume
     three = w3(6, 256, 100, instances=3)
     parts = [three.for_instance(k) for k in range(3)]
     assert sum(len(p.phases[1].requests) for p in parts) == 6
