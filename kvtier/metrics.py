@@ -7,7 +7,6 @@ an engine's metrics). Tiers receive a ``TierMetrics`` with the label bound.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -55,49 +54,69 @@ class Metrics:
         return 0.0 if v is None else v
 
 
-@dataclass(frozen=True)
 class TierMetrics:
-    m: Metrics
-    tier: str
+    """One tier's view of ``Metrics``: its label bound. Each labelled child is
+    looked up once and kept (``labels()`` hashes and locks on every call, and
+    a cold load counts a few samples per object read)."""
+
+    __slots__ = ("m", "tier", "_children")
+
+    def __init__(self, m: Metrics, tier: str):
+        self.m = m
+        self.tier = tier
+        self._children: dict[tuple, Any] = {}
+
+    def _child(self, metric, *extra: str):
+        key = (id(metric), extra)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(self.tier, *extra)
+        return c
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TierMetrics) and other.m is self.m and other.tier == self.tier
+
+    def __hash__(self) -> int:
+        return hash((id(self.m), self.tier))
 
     def hit(self, chunks: int, tokens: int, nbytes: int) -> None:
         if chunks:
-            self.m.hits.labels(self.tier).inc(chunks)
-            self.m.hit_tokens.labels(self.tier).inc(tokens)
-            self.m.read_bytes.labels(self.tier).inc(nbytes)
+            self._child(self.m.hits).inc(chunks)
+            self._child(self.m.hit_tokens).inc(tokens)
+            self._child(self.m.read_bytes).inc(nbytes)
 
     def miss(self, chunks: int = 1) -> None:
         if chunks:
-            self.m.misses.labels(self.tier).inc(chunks)
+            self._child(self.m.misses).inc(chunks)
 
     def wrote(self, nbytes: int) -> None:
-        self.m.stored.labels(self.tier).inc()
-        self.m.written_bytes.labels(self.tier).inc(nbytes)
+        self._child(self.m.stored).inc()
+        self._child(self.m.written_bytes).inc(nbytes)
 
     def skipped(self) -> None:
-        self.m.store_skipped.labels(self.tier).inc()
+        self._child(self.m.store_skipped).inc()
 
     def corrupt(self) -> None:
-        self.m.integrity.labels(self.tier).inc()
+        self._child(self.m.integrity).inc()
 
     def error(self, op: str) -> None:
-        self.m.errors.labels(self.tier, op).inc()
+        self._child(self.m.errors, op).inc()
 
     def dropped(self, reason: str, chunks: int = 1) -> None:
         if chunks:
-            self.m.dropped.labels(self.tier, reason).inc(chunks)
+            self._child(self.m.dropped, reason).inc(chunks)
 
     def evicted(self, chunks: int = 1) -> None:
-        self.m.evictions.labels(self.tier).inc(chunks)
+        self._child(self.m.evictions).inc(chunks)
 
     def observe(self, op: str, seconds: float) -> None:
-        self.m.latency.labels(self.tier, op).observe(seconds)
+        self._child(self.m.latency, op).observe(seconds)
 
     def used(self, nbytes: int) -> None:
-        self.m.used_bytes.labels(self.tier).set(nbytes)
+        self._child(self.m.used_bytes).set(nbytes)
 
     def capacity(self, nbytes: int) -> None:
-        self.m.capacity_bytes.labels(self.tier).set(nbytes)
+        self._child(self.m.capacity_bytes).set(nbytes)
 
     def breaker(self, is_open: bool) -> None:
-        self.m.breaker_open.labels(self.tier).set(1 if is_open else 0)
+        self._child(self.m.breaker_open).set(1 if is_open else 0)
