@@ -135,10 +135,17 @@ def _resume_parser(bsub) -> None:
             "  w3  multi-instance: w1 over --instances engines with random routing; each instance with its\n"
             "      own local disk tier vs all sharing the shared tier\n"
             "  w0  zero hits: distinct prompts only; kvtier's overhead against no connector\n\n"
-            "configurations: recompute, prefix-cache, kvtier-memory, kvtier-disk, kvtier-shared (cold\n"
-            "reads), example (vLLM's ExampleConnector, cold reads), kvtier-local-disk (w3),\n"
-            "kvtier-throttled (the shared tier on a FUSE mount read at --throttle bytes/s: slower than\n"
-            "prefill; its TTFT p50 is held against recompute's)\n\n"
+            "configurations:\n"
+            "  recompute, prefix-cache      no connector (vLLM's prefix cache off / on)\n"
+            "  kvtier-memory, kvtier-disk   kvtier with one host-memory or local-disk tier\n"
+            "  kvtier-shared                the shared-directory tier, page cache dropped (cold reads)\n"
+            "  kvtier-shared-direct         the same, read with O_DIRECT from a thread per read\n"
+            "  kvtier-shared-aio            the same, read with O_DIRECT through native AIO\n"
+            "  example                      vLLM's ExampleConnector, cold reads (the peer baseline)\n"
+            "  kvtier-local-disk            w3: a disk tier per instance\n"
+            "  kvtier-throttled             the shared tier on a FUSE mount read at --throttle bytes/s\n"
+            "                               (slower than prefill; TTFT p50 held against recompute's)\n"
+            "  NAME+mp                      any kvtier configuration in vLLM's default multiprocess mode\n\n"
             "writes DIR/report/{results.json, report.md, requests.jsonl, ttft_cdf.png, speedup.png, hits.png}"
         ),
     )
@@ -163,6 +170,9 @@ def _resume_parser(bsub) -> None:
                     help="w1-w3: engine runs per configuration, the configurations in ABBA order (odd rounds "
                     "reversed), figures pooled over rounds: use 2 or more when comparing configurations whose "
                     "difference is near this host's drift (default 1)")
+    br.add_argument("--warmup", action="store_true",
+                    help="first run the first configuration once, unmeasured (the first engine of a run can be "
+                    "slower, whatever it runs)")
     br.add_argument("--turns", type=argtypes.ints, default=(2, 4), help="w2: turns per conversation, min,max (default 2,4)")
     br.add_argument("--system-tokens", type=int, default=512, help="w2: shared system prompt length (default 512)")
     br.add_argument("--user-tokens", type=argtypes.ints, default=(64, 384), help="w2: user turn length, min,max (default 64,384)")
@@ -218,7 +228,7 @@ def cmd_bench_resume(args: argparse.Namespace) -> int:
         workdir=Path(args.dir), workload=args.workload, model=args.model, contexts=args.contexts,
         sessions=args.sessions, resumes=args.resumes, configs=tuple(args.configs), dummy_weights=not args.checkpoint, dtype=args.dtype,
         chat=chat,
-        instances=args.instances, repeats=args.repeats, rounds=args.rounds, fio=not args.no_fio, vocab=args.vocab, seed=args.seed,
+        instances=args.instances, repeats=args.repeats, rounds=args.rounds, warmup=args.warmup, fio=not args.no_fio, vocab=args.vocab, seed=args.seed,
         throttle_bps=args.throttle, load_decision=args.load_decision,
     )
     if args.endpoint:

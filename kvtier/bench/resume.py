@@ -9,6 +9,10 @@ configurations at once (they would share the cores):
     kvtier-memory      kvtier, memory tier
     kvtier-disk        kvtier, local disk tier
     kvtier-shared      kvtier, shared-directory tier, page cache dropped (cold reads)
+    kvtier-shared-direct, kvtier-shared-aio
+                       the same tier read with O_DIRECT from a thread per read
+                       (o_direct: true) or with native AIO from one driver
+                       thread (o_direct + aio): the read paths side by side
     example            vLLM's built-in ExampleConnector (disk), the peer baseline;
                        its files are dropped from the page cache like the shared tier's
     kvtier-local-disk  W3 only: each instance has a disk tier of its own (the
@@ -59,7 +63,9 @@ from kvtier.bench.tinymodels import PRESETS, build_checkpoint, build_config_only
 CONFIGS = ("recompute", "prefix-cache", "kvtier-memory", "kvtier-disk", "kvtier-shared", "example")
 W3_CONFIGS = ("recompute", "kvtier-local-disk", "kvtier-shared")
 W0_CONFIGS = ("prefix-cache", "kvtier-shared")
-ALL_CONFIGS = CONFIGS + ("kvtier-local-disk", "kvtier-throttled")
+# The shared tier's other read paths (FileTierConfig o_direct / aio).
+READ_PATHS = {"kvtier-shared-direct": {"o_direct": True}, "kvtier-shared-aio": {"o_direct": True, "aio": True}}
+ALL_CONFIGS = CONFIGS + ("kvtier-local-disk", "kvtier-throttled") + tuple(READ_PATHS)
 WORKLOADS = ("w1", "w2", "w3", "w0")
 BLOCK = 128
 CHUNK = 256
@@ -103,6 +109,7 @@ class ResumeConfig:
     instances: int = 3
     repeats: int = 3                       # W0: alternating rounds per configuration
     rounds: int = 1                        # W1-W3: engine runs per configuration, in ABBA order
+    warmup: bool = False                   # one unmeasured engine run before the measured ones
     fio: bool = True
     vocab: int | None = None               # token ids drawn below this (default: the model preset's)
     engine_timeout_s: float = 3600
@@ -166,13 +173,14 @@ def _spec(cfg: ResumeConfig, name: str, label: str, workload: wl.Workload, model
         "kvtier-local-disk": [{"kind": "disk", "path": str(store / f"instance-{instance}"), "capacity": "32GiB"}],
         "kvtier-shared": [{"kind": "shared", "path": str(store), "capacity": "32GiB"}],
         "kvtier-throttled": [{"kind": "shared", "path": str(store), "capacity": "32GiB"}],
+        **{n: [{"kind": "shared", "path": str(store), "capacity": "32GiB", **opts}] for n, opts in READ_PATHS.items()},
     }
     kvtier = ({"chunk_tokens": CHUNK, "tiers": tiers[name], "load_decision": cfg.load_decision}
               if name in tiers else None)
     if kvtier is not None and node_memory:
         kvtier["node_memory_dir"] = node_memory  # this run's node memory, shared by its instances
     cold: dict = {}
-    if name in ("kvtier-shared", "kvtier-local-disk"):
+    if name in ("kvtier-shared", "kvtier-local-disk", *READ_PATHS):
         cold = {"drop_page_cache": True}
     if name == "vllm-offloading":
         # vLLM's own CPU offloading (CUDA hosts): host memory as the second tier.
@@ -209,11 +217,21 @@ def run(cfg: ResumeConfig, progress: Callable[[str, int], Callable[[int], None]]
     missing = unavailable_peers()
     names = tuple(n for n in cfg.config_names() if n not in missing)
     rounds = cfg.repeats if cfg.workload == "w0" else max(1, cfg.rounds)
-    tick = (progress or (lambda d, t: (lambda n: None)))("engine runs", len(todo) * len(names) * rounds)
+    warm = cfg.warmup and bool(names)
+    tick = (progress or (lambda d, t: (lambda n: None)))("engine runs", len(todo) * (len(names) * rounds + warm))
     runs: list[dict] = []
     failed: list[dict] = []
     fio: dict[str, dict] = {}
     for label, workload in todo:
+        if warm:
+            # On this project's 2-core host the first engine of a run resumed
+            # 10-60 % slower, whatever it ran: that run is thrown away.
+            first = round_order(names, 0, cfg.workload)[0]
+            try:
+                _run_config(cfg, first, label, workload, model_dir, -1)
+            except RuntimeError as exc:
+                log(f"warm-up run ({first}, {label}) failed; measuring anyway: {str(exc).splitlines()[0]}")
+            tick(1)
         for rnd in range(rounds):
             for name in round_order(names, rnd, cfg.workload):
                 try:
@@ -321,7 +339,7 @@ def _run_config(cfg: ResumeConfig, name: str, label: str, workload: wl.Workload,
             if k > 1:
                 # Instances share the host's CPUs in turn; unpinned OpenMP teams thrash.
                 env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpus[i % len(cpus)])
-            engine_log = logs / f"{cfg.workload}-{name}-{label}-r{rnd}-i{i}.log"
+            engine_log = logs / f"{cfg.workload}-{name}-{label}-{f'r{rnd}' if rnd >= 0 else 'warmup'}-i{i}.log"
             f = open(engine_log, "w")
             p = subprocess.Popen([sys.executable, "-m", "kvtier.bench.vllm_runner", str(spec_path), str(out_path)],
                                  stdout=f, stderr=subprocess.STDOUT, env=env)

@@ -222,6 +222,7 @@ def summarise(cfg, runs: list[dict], fio: dict, unavailable: dict) -> dict:
         "dtype": _dtype(cfg),
         "sessions": cfg.sessions,
         "rounds": cfg.repeats if cfg.workload == "w0" else getattr(cfg, "rounds", 1),
+        "warmup": getattr(cfg, "warmup", False),
         "contexts": list(cfg.contexts),
         "instances": first.get("instances", 1),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -241,6 +242,8 @@ def _dtype(cfg) -> str:
 
 def _describe(cfg) -> str:
     rounds = f", {cfg.rounds} rounds (ABBA)" if getattr(cfg, "rounds", 1) > 1 and cfg.workload != "w0" else ""
+    if getattr(cfg, "warmup", False):
+        rounds += ", after an unmeasured warm-up run"
     if cfg.workload == "w1":
         return f"W1 long-context cold resume, {cfg.sessions} sessions per context{rounds}"
     if cfg.workload == "w3":

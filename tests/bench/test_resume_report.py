@@ -1,4 +1,7 @@
 """The ratios and acceptance bars of `kvtier bench resume`, from made-up figures (no engine)."""
+
+import pytest
+
 from kvtier.bench.resume_report import _checks, _ratios
 
 
@@ -99,3 +102,45 @@ def test_rounds_run_the_configurations_abba_except_w0():
     # each configuration goes first as often as the other over an even number of rounds
     assert sum(o[0] == "kvtier-memory" for o in w1) == 2
     assert all(round_order(names, r, "w0") == names for r in range(3))
+
+
+def test_read_path_configurations_read_the_shared_tier_their_way(tmp_path):
+    """kvtier-shared-direct / -aio run the shared tier with o_direct (and aio),
+    cold like kvtier-shared, so that one run compares the read paths."""
+    from kvtier.bench import resume, workloads
+    from kvtier.config import parse_tier
+
+    cfg = resume.ResumeConfig(workdir=tmp_path, configs=("kvtier-shared", "kvtier-shared-direct", "kvtier-shared-aio"))
+    work = workloads.w1(2, 512, 100)
+    tiers = {}
+    for name in cfg.configs + ("kvtier-shared-aio+mp",):
+        assert resume.valid_config(name)
+        spec = resume._spec(cfg, name, "512", work, tmp_path, 0, None)
+        assert spec["cold"] == {"drop_page_cache": True}, name
+        (tier,) = spec["kvtier"]["tiers"]
+        parsed = parse_tier(tier, "tiers[0]").config  # what the engine's connector will build
+        assert (parsed.o_direct, parsed.aio) == (tier.get("o_direct", False), tier.get("aio", False))
+        tiers[name] = {k: tier.get(k, False) for k in ("kind", "o_direct", "aio")}
+    assert tiers["kvtier-shared"] == {"kind": "shared", "o_direct": False, "aio": False}
+    assert tiers["kvtier-shared-direct"] == {"kind": "shared", "o_direct": True, "aio": False}
+    assert tiers["kvtier-shared-aio"] == tiers["kvtier-shared-aio+mp"] == {"kind": "shared", "o_direct": True, "aio": True}
+    assert not resume.valid_config("kvtier-shared-turbo")
+
+
+def test_warmup_runs_the_first_configuration_once_unmeasured_before_the_rounds(tmp_path, monkeypatch):
+    from kvtier.bench import resume
+
+    calls = []
+
+    def engine_run(cfg, name, label, workload, model_dir, rnd):
+        calls.append((name, rnd))
+        raise RuntimeError("no engine in this test")
+
+    monkeypatch.setattr(resume, "_run_config", engine_run)
+    monkeypatch.setattr(resume, "unavailable_peers", dict)
+    cfg = resume.ResumeConfig(workdir=tmp_path, contexts=(512,), sessions=2, configs=("kvtier-memory", "kvtier-shared"),
+                              rounds=2, warmup=True, fio=False)
+    with pytest.raises(RuntimeError, match="every configuration failed"):
+        resume.run(cfg, log=lambda *a: None)
+    assert calls == [("kvtier-memory", -1), ("kvtier-memory", 0), ("kvtier-shared", 0),
+                     ("kvtier-shared", 1), ("kvtier-memory", 1)]
