@@ -28,6 +28,7 @@ from typing import Any
 
 from kvtier.engine.executor import LOAD, PriorityExecutor
 from kvtier.integrations.vllm.costs import LoadCosts
+from kvtier.integrations.vllm.enginewait import QuietWhileLoading
 from kvtier.integrations.vllm.group import GroupView
 from kvtier.integrations.vllm.metadata import ChunkIO, KVTierMetadata, KVTierWorkerMeta, LoadJob, SaveJob, merge_reads
 from kvtier.integrations.vllm.metrics import ConnectorMetrics
@@ -121,6 +122,9 @@ class KVTierScheduler:
         self._pending_loads: list[LoadJob] = []
         self._probes: list[tuple[str, Future]] = []  # background re-measurements of slow tiers
         self._warned_unready = False
+        # While a load is in flight the engine core waits for its workers
+        # without spinning (enginewait.py): the load needs the cores.
+        self._quiet = QuietWhileLoading(enabled=not settings.spin_during_loads)
         d = settings.decision
         self.costs = LoadCosts.seeded(
             view.host_memory, self.chunk, d.prefill_tokens_per_s,
@@ -377,6 +381,8 @@ class KVTierScheduler:
         self.costs.step_scheduled(scheduled_tokens)
         meta = KVTierMetadata(loads=self._pending_loads, idle=not scheduled_tokens)
         self._pending_loads = []
+        if meta.loads:
+            self._quiet.loading(True)
         scheduled = scheduler_output.num_scheduled_tokens
         for nr in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(nr.req_id)
@@ -451,6 +457,7 @@ class KVTierScheduler:
                 st = self._reqs.get(rid)
                 if st is not None:
                     st.read = merge_reads(st.read, read)
+        in_flight = False
         for rid, st in self._reqs.items():
             if st.loading_blocks is None:
                 continue
@@ -462,6 +469,7 @@ class KVTierScheduler:
             # Async loads end when vLLM reports them; synchronous ones within
             # the step they were scheduled in.
             if not (st.sync_load or rid in finished):
+                in_flight = True
                 continue
             if not st.sync_load:
                 self._timed(st)
@@ -474,6 +482,7 @@ class KVTierScheduler:
                 st.saved_upto, st.tail_saved = 0, False
                 self.metrics.load_failed_blocks.inc(len(bad))
             st.loading_blocks, st.bad_blocks, st.load_failed = None, set(), False
+        self._quiet.loading(in_flight)
 
     def _timed(self, st: _Req) -> None:
         """An asynchronous load ended: what it took teaches the cost model."""
@@ -507,6 +516,7 @@ class KVTierScheduler:
         return False, None
 
     def close(self) -> None:
+        self._quiet.close()
         self._lookups.close(cancel_pending=True)
         self._prober.close(cancel_pending=True)
         self.view.close()

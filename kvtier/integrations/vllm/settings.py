@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvtier.config import StoreConfig, TierSpec, load_config
+from kvtier.config import StoreConfig, TierSpec, load_config, parse_bool
 from kvtier.integrations.vllm import identity
 from kvtier.errors import ConfigError
 from kvtier.keys import ChunkKey, Namespace, shard_key
@@ -98,6 +98,9 @@ class Settings:
     io_cpus: str | frozenset[int] = "auto"
     # How hits are weighed against recomputing them (costs.py).
     decision: "LoadDecision" = field(default_factory=lambda: LoadDecision())
+    # Keep vLLM's busy-wait for its workers' replies while kvtier loads
+    # (enginewait.py; by default the engine core blocks instead).
+    spin_during_loads: bool = False
 
     def with_page(self, page: str) -> "Settings":
         """These settings with the workers' page layout in the namespace."""
@@ -154,7 +157,7 @@ class LoadDecision:
 # kv_connector_extra_config, or in the config file's ``vllm:`` section.
 SECTION = "vllm"
 CONNECTOR_KEYS = ("model_fingerprint", "share_tp_sizes", "io_cpus", "load_decision", "prefill_tokens_per_s",
-                  "read_rates", "probe_interval_s")
+                  "read_rates", "probe_interval_s", "spin_during_loads")
 
 
 @dataclass(frozen=True)
@@ -163,6 +166,7 @@ class ConnectorKeys:
     share_tp_sizes: Any = None
     io_cpus: str | frozenset[int] = "auto"
     decision: LoadDecision = field(default_factory=LoadDecision)
+    spin_during_loads: bool = False
 
 
 def connector_section(path: str | None, environ=os.environ) -> dict:
@@ -186,8 +190,9 @@ def parse_connector_keys(own: dict, tier_names: list[str]) -> ConnectorKeys:
     if unknown:
         raise ConfigError(f"{SECTION}.{unknown[0]}", "unknown key", f"use one of: {', '.join(CONNECTOR_KEYS)}")
     fingerprint = own.pop("model_fingerprint", None)
+    spin = parse_bool(own.pop("spin_during_loads", False), f"{SECTION}.spin_during_loads")
     return ConnectorKeys(None if fingerprint is None else str(fingerprint), own.pop("share_tp_sizes", None),
-                         parse_io_cpus(own.pop("io_cpus", "auto")), parse_load_decision(own, tier_names))
+                         parse_io_cpus(own.pop("io_cpus", "auto")), parse_load_decision(own, tier_names), spin)
 
 
 def parse_load_decision(extra: dict, tier_names: list[str]) -> LoadDecision:
@@ -309,7 +314,8 @@ def load_settings(vllm_config: Any, kv_cache_config: Any, worker: bool) -> Setti
         chunk_tokens=store.chunk_tokens,
     )
     return Settings(store, ns, block_size, len(groups[0].layer_names), kv_dtype, topology, kv_layout,
-                    awaiting_page=not worker, io_cpus=io_cpus, decision=decision)
+                    awaiting_page=not worker, io_cpus=io_cpus, decision=decision,
+                    spin_during_loads=keys.spin_during_loads)
 
 
 def parse_io_cpus(value: Any) -> str | frozenset[int]:

@@ -238,3 +238,13 @@ def test_connector_keys_come_from_the_config_files_vllm_section(tmp_path):
     with pytest.raises(ConfigError) as err:
         parse_connector_keys({"load_decison": "auto"}, ["shared"])
     assert err.value.key == "vllm.load_decison" and "load_decision" in err.value.fix
+
+
+def test_spin_during_loads_is_a_connector_key():
+    from kvtier.integrations.vllm.settings import parse_connector_keys
+
+    assert parse_connector_keys({}, ["shared"]).spin_during_loads is False  # the default: no spin while loading
+    assert parse_connector_keys({"spin_during_loads": "true"}, ["shared"]).spin_during_loads is True
+    with pytest.raises(ConfigError) as err:
+        parse_connector_keys({"spin_during_loads": "sometimes"}, ["shared"])
+    assert err.value.key == "vllm.spin_during_loads" and "true or false" in err.value.fix

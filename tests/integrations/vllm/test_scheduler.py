@@ -270,3 +270,48 @@ def test_a_failure_reported_before_the_load_finished_still_counts(tmp_path):
     finally:
         s.close()
         store.close()
+
+
+def test_the_engine_core_waits_quietly_from_a_loads_step_until_it_ends(tmp_path):
+    """enginewait: from the step that hands out a load until vLLM reports it
+    done (a synchronous load: its own step's output; an asynchronous one:
+    finished_recving), the engine core does not spin for its workers."""
+    import vllm.distributed.device_communicators.shm_broadcast  # noqa: F401  (the engine core's queues)
+
+    from kvtier.integrations.vllm.enginewait import loading_now
+
+    cfg = parse_store_config({"tiers": [{"kind": "disk", "path": str(tmp_path), "capacity": "64MiB"}], "chunk_tokens": C})
+    store = TieredStore(cfg)
+    s = _scheduler(cfg, store)
+    try:
+        store_chunks(s, TOK, [C, C])
+        store.flush()
+        req = request("a", TOK[:20])
+        assert ask(s, req) == (16, True)
+        s.update_state_after_alloc(req, Blocks([10, 11, 12, 13, 14]), 16)
+        assert not loading_now()
+        assert s.build_connector_meta(output()).loads
+        assert loading_now()
+        s.update_connector_output(SimpleNamespace(finished_recving=None, invalid_block_ids=set(), failed_recving=set()))
+        assert loading_now()  # still reading
+        s.update_connector_output(SimpleNamespace(finished_recving={"a"}, invalid_block_ids=set(), failed_recving=set()))
+        assert not loading_now()
+    finally:
+        s.close()
+        store.close()
+    assert not loading_now()
+
+
+def test_a_synchronous_load_holds_the_quiet_for_its_own_step(sched):
+    import vllm.distributed.device_communicators.shm_broadcast  # noqa: F401
+
+    from kvtier.integrations.vllm.enginewait import loading_now
+
+    store_chunks(sched, TOK, [C, C])
+    req = request("a", TOK[:20])
+    assert ask(sched, req) == (16, False)
+    sched.update_state_after_alloc(req, Blocks([10, 11, 12, 13, 14]), 16)
+    sched.build_connector_meta(output())
+    assert loading_now()
+    sched.update_connector_output(SimpleNamespace(finished_recving=None, invalid_block_ids=set(), failed_recving=set()))
+    assert not loading_now()
