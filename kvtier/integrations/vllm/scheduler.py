@@ -348,9 +348,12 @@ class KVTierScheduler:
         st = self._state(request)
         block_ids = list(blocks.get_block_ids()[0])
         # Counted here, where every vLLM from 0.30 reports the claim
-        # (get_external_cache_hit_sources exists from 0.32 only).
-        for tier, n in self._claimed_by_tier(st, num_external_tokens).items():
-            self.metrics.external_hit_tokens.labels(tier).inc(n)
+        # (get_external_cache_hit_sources exists from 0.32 only); a claim for
+        # a request vLLM preempted and runs again is not, as vLLM counts it
+        # apart from external_prefix_cache_hits (its preempted_hits).
+        if not getattr(request, "num_preemptions", 0):
+            for tier, n in self._claimed_by_tier(st, num_external_tokens).items():
+                self.metrics.external_hit_tokens.labels(tier).inc(n)
         hit = _done_hit(st)
         if hit is not None and not st.failed:
             # Chunks kvtier already holds need no save; a partial last chunk

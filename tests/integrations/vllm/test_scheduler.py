@@ -315,3 +315,26 @@ def test_a_synchronous_load_holds_the_quiet_for_its_own_step(sched):
     assert loading_now()
     sched.update_connector_output(SimpleNamespace(finished_recving=None, invalid_block_ids=set(), failed_recving=set()))
     assert not loading_now()
+
+
+def test_a_preempted_requests_second_claim_is_not_counted_as_vllm_does_not(sched):
+    """vLLM counts the hits of a request it preempted and runs again apart
+    from external_prefix_cache_hits; kvtier's external hit tokens, which
+    must sum to it, leave that claim out too (the load still happens)."""
+    store_chunks(sched, TOK, [C, C])
+    counter = sched.metrics.external_hit_tokens.labels("memory")
+    before = counter._value.get()
+    req = request("a", TOK[:20])
+    assert ask(sched, req) == (16, False)
+    sched.update_state_after_alloc(req, Blocks([10, 11, 12, 13, 14]), 16)
+    assert counter._value.get() == before + 16
+    sched.build_connector_meta(output())
+    sched.update_connector_output(SimpleNamespace(finished_recving=None, invalid_block_ids=set(), failed_recving=set()))
+    sched.request_finished(req, [])
+    again = request("a", TOK[:20])
+    again.num_preemptions = 1
+    assert ask(sched, again) == (16, False)
+    sched.update_state_after_alloc(again, Blocks([20, 21, 22, 23, 24]), 16)
+    assert counter._value.get() == before + 16
+    (job,) = sched.build_connector_meta(output()).loads  # loaded all the same
+    assert [c.block_ids for c in job.chunks] == [[20, 21], [22, 23]]
