@@ -77,6 +77,11 @@ def output(new=(), cached=None, scheduled=None):
     return SimpleNamespace(scheduled_new_reqs=list(new), scheduled_cached_reqs=cached, num_scheduled_tokens=scheduled or {})
 
 
+def connector_output(finished=None, invalid=(), failed=()):
+    """What vLLM hands update_connector_output after a step."""
+    return SimpleNamespace(finished_recving=finished, invalid_block_ids=set(invalid), failed_recving=set(failed))
+
+
 TOK = list(range(3, 40))
 
 
@@ -189,7 +194,7 @@ def test_after_a_failed_load_the_request_is_never_claimed_again(sched):
     assert ask(sched, req) == (16, False)
     sched.update_state_after_alloc(req, Blocks([10, 11, 12, 13, 14]), 16)
     sched.build_connector_meta(output())
-    sched.update_connector_output(SimpleNamespace(finished_recving={"a"}, invalid_block_ids={12}, failed_recving=set()))
+    sched.update_connector_output(connector_output({"a"}, invalid={12}))
     assert ask(sched, req) == (0, False)  # vLLM asks again after a failure: answer 0, or it loops
 
 
@@ -216,7 +221,7 @@ def test_a_failed_synchronous_load_is_noticed_within_its_step(sched):
     assert ask(sched, req) == (16, False)
     sched.update_state_after_alloc(req, Blocks([10, 11, 12, 13, 14]), 16)
     sched.build_connector_meta(output())
-    sched.update_connector_output(SimpleNamespace(finished_recving=None, invalid_block_ids={13}, failed_recving=set()))
+    sched.update_connector_output(connector_output(invalid={13}))
     assert sched._reqs["a"].failed and sched._reqs["a"].saved_upto == 0  # its KV is recomputed: save it again
 
 
@@ -263,8 +268,8 @@ def test_a_failure_reported_before_the_load_finished_still_counts(tmp_path):
         assert ask(s, req) == (16, True)
         s.update_state_after_alloc(req, Blocks([10, 11, 12, 13, 14]), 16)
         s.build_connector_meta(output())
-        s.update_connector_output(SimpleNamespace(finished_recving=None, invalid_block_ids={12}, failed_recving=set()))
-        s.update_connector_output(SimpleNamespace(finished_recving={"a"}, invalid_block_ids=set(), failed_recving=set()))
+        s.update_connector_output(connector_output(invalid={12}))
+        s.update_connector_output(connector_output({"a"}))
         assert s._reqs["a"].failed and s._reqs["a"].saved_upto == 0
         assert ask(s, req) == (0, False)
     finally:
@@ -292,9 +297,9 @@ def test_the_engine_core_waits_quietly_from_a_loads_step_until_it_ends(tmp_path)
         assert not loading_now()
         assert s.build_connector_meta(output()).loads
         assert loading_now()
-        s.update_connector_output(SimpleNamespace(finished_recving=None, invalid_block_ids=set(), failed_recving=set()))
+        s.update_connector_output(connector_output())
         assert loading_now()  # still reading
-        s.update_connector_output(SimpleNamespace(finished_recving={"a"}, invalid_block_ids=set(), failed_recving=set()))
+        s.update_connector_output(connector_output({"a"}))
         assert not loading_now()
     finally:
         s.close()
@@ -313,7 +318,7 @@ def test_a_synchronous_load_holds_the_quiet_for_its_own_step(sched):
     sched.update_state_after_alloc(req, Blocks([10, 11, 12, 13, 14]), 16)
     sched.build_connector_meta(output())
     assert loading_now()
-    sched.update_connector_output(SimpleNamespace(finished_recving=None, invalid_block_ids=set(), failed_recving=set()))
+    sched.update_connector_output(connector_output())
     assert not loading_now()
 
 
@@ -329,7 +334,7 @@ def test_a_preempted_requests_second_claim_is_not_counted_as_vllm_does_not(sched
     sched.update_state_after_alloc(req, Blocks([10, 11, 12, 13, 14]), 16)
     assert counter._value.get() == before + 16
     sched.build_connector_meta(output())
-    sched.update_connector_output(SimpleNamespace(finished_recving=None, invalid_block_ids=set(), failed_recving=set()))
+    sched.update_connector_output(connector_output())
     sched.request_finished(req, [])
     again = request("a", TOK[:20])
     again.num_preemptions = 1
