@@ -85,15 +85,22 @@ def connector_output(finished=None, invalid=(), failed=()):
 TOK = list(range(3, 40))
 
 
+def claim_two_chunks(s, load_async=False):
+    """Request "a" (20 tokens) claims the two chunks the store holds, and vLLM
+    allocates its blocks: the state from which a load starts."""
+    req = request("a", TOK[:20])
+    assert ask(s, req) == (16, load_async)
+    s.update_state_after_alloc(req, Blocks([10, 11, 12, 13, 14]), 16)
+    return req
+
+
 def test_miss_claims_nothing(sched):
     assert ask(sched, request("a", TOK[:20])) == (0, False)
 
 
 def test_full_chunk_hit_in_memory_is_claimed_sync_and_planned_as_a_load(sched):
     store_chunks(sched, TOK, [C, C])
-    req = request("a", TOK[:20])  # usable = 16: two full chunks
-    assert ask(sched, req) == (16, False)
-    sched.update_state_after_alloc(req, Blocks([10, 11, 12, 13, 14]), 16)
+    claim_two_chunks(sched)  # usable = 16: two full chunks
     meta = sched.build_connector_meta(output())
     (job,) = meta.loads
     assert job.sync  # host memory: copied in before this step's forward
@@ -190,9 +197,7 @@ def test_chunks_already_in_kvtier_are_not_saved_again(sched):
 
 def test_after_a_failed_load_the_request_is_never_claimed_again(sched):
     store_chunks(sched, TOK, [C, C])
-    req = request("a", TOK[:20])
-    assert ask(sched, req) == (16, False)
-    sched.update_state_after_alloc(req, Blocks([10, 11, 12, 13, 14]), 16)
+    req = claim_two_chunks(sched)
     sched.build_connector_meta(output())
     sched.update_connector_output(connector_output({"a"}, invalid={12}))
     assert ask(sched, req) == (0, False)  # vLLM asks again after a failure: answer 0, or it loops
@@ -205,9 +210,7 @@ def test_a_hit_on_disk_is_loaded_asynchronously(tmp_path):
     try:
         store_chunks(s, TOK, [C, C])
         store.flush()
-        req = request("a", TOK[:20])
-        assert ask(s, req) == (16, True)
-        s.update_state_after_alloc(req, Blocks([10, 11, 12, 13, 14]), 16)
+        claim_two_chunks(s, load_async=True)
         (job,) = s.build_connector_meta(output()).loads
         assert not job.sync and job.tiers == ["disk", "disk"]
     finally:
@@ -217,9 +220,7 @@ def test_a_hit_on_disk_is_loaded_asynchronously(tmp_path):
 
 def test_a_failed_synchronous_load_is_noticed_within_its_step(sched):
     store_chunks(sched, TOK, [C, C])
-    req = request("a", TOK[:20])
-    assert ask(sched, req) == (16, False)
-    sched.update_state_after_alloc(req, Blocks([10, 11, 12, 13, 14]), 16)
+    claim_two_chunks(sched)
     sched.build_connector_meta(output())
     sched.update_connector_output(connector_output(invalid={13}))
     assert sched._reqs["a"].failed and sched._reqs["a"].saved_upto == 0  # its KV is recomputed: save it again
@@ -264,9 +265,7 @@ def test_a_failure_reported_before_the_load_finished_still_counts(tmp_path):
     try:
         store_chunks(s, TOK, [C, C])
         store.flush()
-        req = request("a", TOK[:20])
-        assert ask(s, req) == (16, True)
-        s.update_state_after_alloc(req, Blocks([10, 11, 12, 13, 14]), 16)
+        req = claim_two_chunks(s, load_async=True)
         s.build_connector_meta(output())
         s.update_connector_output(connector_output(invalid={12}))
         s.update_connector_output(connector_output({"a"}))
@@ -291,9 +290,7 @@ def test_the_engine_core_waits_quietly_from_a_loads_step_until_it_ends(tmp_path)
     try:
         store_chunks(s, TOK, [C, C])
         store.flush()
-        req = request("a", TOK[:20])
-        assert ask(s, req) == (16, True)
-        s.update_state_after_alloc(req, Blocks([10, 11, 12, 13, 14]), 16)
+        claim_two_chunks(s, load_async=True)
         assert not loading_now()
         assert s.build_connector_meta(output()).loads
         assert loading_now()
@@ -313,9 +310,7 @@ def test_a_synchronous_load_holds_the_quiet_for_its_own_step(sched):
     from kvtier.integrations.vllm.enginewait import loading_now
 
     store_chunks(sched, TOK, [C, C])
-    req = request("a", TOK[:20])
-    assert ask(sched, req) == (16, False)
-    sched.update_state_after_alloc(req, Blocks([10, 11, 12, 13, 14]), 16)
+    claim_two_chunks(sched)
     sched.build_connector_meta(output())
     assert loading_now()
     sched.update_connector_output(connector_output())
@@ -329,9 +324,7 @@ def test_a_preempted_requests_second_claim_is_not_counted_as_vllm_does_not(sched
     store_chunks(sched, TOK, [C, C])
     counter = sched.metrics.external_hit_tokens.labels("memory")
     before = counter._value.get()
-    req = request("a", TOK[:20])
-    assert ask(sched, req) == (16, False)
-    sched.update_state_after_alloc(req, Blocks([10, 11, 12, 13, 14]), 16)
+    req = claim_two_chunks(sched)
     assert counter._value.get() == before + 16
     sched.build_connector_meta(output())
     sched.update_connector_output(connector_output())
