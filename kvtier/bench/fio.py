@@ -46,25 +46,35 @@ def fio_seq_read(directory: Path, iodepth: int, size_bytes: int, block: str = "1
 
 
 def fio_seq_read_run(directory: Path, iodepth: int, size_bytes: int, block: str = "1M", direct: bool = True,
-                     jobs: int = 1) -> FioRead:
+                     jobs: int = 1, file_bytes: int = 0) -> FioRead:
     """Sequential reads of one fio job, or of ``jobs`` streams at once, each
     reading a file of its own (``size_bytes`` in all), as kvtier's I/O
-    threads read many objects at once."""
+    threads read many objects at once.
+
+    ``file_bytes``: each stream instead reads its share as files of this size,
+    one after the other (kvtier's object size): what the device gives a
+    layout of one file per object, with no kvtier code in the way."""
     exe = shutil.which("fio")
     if exe is None:
         raise FioMissing("fio is not installed: apt-get install fio (make demo/test install it)")
     directory.mkdir(parents=True, exist_ok=True)
+    per_job = max(1 << 20, size_bytes // jobs)
+    if file_bytes:
+        nfiles = max(1, per_job // file_bytes)
+        files = [f"--nrfiles={nfiles}", f"--filesize={file_bytes}", "--file_service_type=sequential"]
+        per_job = nfiles * file_bytes
     cmd = [
         exe,
-        "--name=kvtier-seqread",
+        f"--name={'kvtier-objread' if file_bytes else 'kvtier-seqread'}",
         f"--directory={directory}",
-        *(["--filename=kvtier-fio.dat"] if jobs == 1 else [f"--numjobs={jobs}", "--group_reporting"]),
+        *(["--filename=kvtier-fio.dat"] if jobs == 1 and not file_bytes else [f"--numjobs={jobs}", "--group_reporting"]),
+        *(files if file_bytes else []),
         "--rw=read",
         f"--bs={block}",
         f"--direct={1 if direct else 0}",
         "--ioengine=libaio",
         f"--iodepth={iodepth}",
-        f"--size={max(1 << 20, size_bytes // jobs)}",
+        f"--size={per_job}",
         "--invalidate=1",
         "--output-format=json",
     ]
@@ -101,5 +111,6 @@ def _children_cpu_s() -> float:
 def remove_fio_file(directory: Path) -> None:
     """Remove what ``fio_seq_read`` laid out under ``directory``."""
     (directory / "kvtier-fio.dat").unlink(missing_ok=True)
-    for p in directory.glob("kvtier-seqread.*"):
-        p.unlink(missing_ok=True)
+    for pattern in ("kvtier-seqread.*", "kvtier-objread.*"):
+        for p in directory.glob(pattern):
+            p.unlink(missing_ok=True)

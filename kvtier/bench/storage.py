@@ -26,7 +26,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from kvtier.buffers import alloc
+from kvtier.buffers import align_up, alloc
+from kvtier.codec import HEADER_BLOCK
 from kvtier.config import StoreConfig, TierSpec
 from kvtier.engine.store import TieredStore
 from kvtier.bench.fio import BUFFERED_STREAMS, fio_seq_read_run, remove_fio_file
@@ -52,6 +53,10 @@ from kvtier.version import __version__
 
 # The CLI and callers take these from here.
 __all__ = ["GiB", "MiB", "READ_MODES", "StorageBenchConfig", "StorageBenchError", "run", "format_table", "cold_label"]
+
+
+# fio's buffered job over files of kvtier's object size.
+OBJECT_FILES_JOB = "buffered-128k-object-files"
 
 
 def _shared_spec(path: Path, capacity: int, window: int, threads: int, mode: str = "direct") -> TierSpec:
@@ -111,9 +116,14 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
     # fio: O_DIRECT at each depth, and buffered 128 KiB reads (readahead) in
     # as many streams as kvtier reads objects at once (its I/O threads).
     streams = min(cfg.io_threads, BUFFERED_STREAMS)
-    fio_jobs = {f"qd{d}": (d, "1M", True, 1) for d in cfg.fio_depths}
+    fio_jobs = {f"qd{d}": (d, "1M", True, 1, 0) for d in cfg.fio_depths}
+    object_bytes = HEADER_BLOCK + align_up(result["chunk_bytes"])
     if "buffered" in cfg.read_modes:
-        fio_jobs["buffered-128k"] = (1, "128k", False, streams)
+        fio_jobs["buffered-128k"] = (1, "128k", False, streams, 0)
+        # The same job over files of kvtier's object size: what a layout of
+        # one file per object allows the device, with no kvtier code in the
+        # way (each file's readahead starts small and ends with the file).
+        fio_jobs[OBJECT_FILES_JOB] = (1, "128k", False, streams, object_bytes)
     fio_runs: dict[str, list] = {j: [] for j in fio_jobs}
     variants = [(w, m) for m in cfg.read_modes for w in cfg.windows]
     cold_runs: dict[tuple, list] = {v: [] for v in variants}
@@ -125,8 +135,9 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
     tick = progress("fio + cold loads", cfg.repeats * (len(fio_jobs) + len(variants) * len(sessions)))
     try:
         for _ in range(cfg.repeats):
-            for job, (depth, block, o_direct, n_streams) in fio_jobs.items():
-                fio_runs[job].append(fio_seq_read_run(fio_dir, depth, fio_size, block=block, direct=o_direct, jobs=n_streams))
+            for job, (depth, block, o_direct, n_streams, file_bytes) in fio_jobs.items():
+                fio_runs[job].append(fio_seq_read_run(fio_dir, depth, fio_size, block=block, direct=o_direct,
+                                                      jobs=n_streams, file_bytes=file_bytes))
                 tick(1)
             for variant, store in stores.items():
                 store.tier("shared").drop_cache()
@@ -141,6 +152,7 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
         for j, runs in fio_runs.items()
     }
     result["fio_streams"] = streams
+    result["object_bytes"] = object_bytes
     result["fio_best_gbps"] = max(v["median_gbps"] for v in result["fio"].values())
     cold = {
         cold_label(w, m): {
@@ -160,6 +172,10 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
     result["cold_best_window"] = best
     result["cold_load_gbps"] = cold[best]["median_gbps"]
     result["cold_vs_fio"] = result["cold_load_gbps"] / result["fio_best_gbps"]
+    if OBJECT_FILES_JOB in result["fio"]:
+        files = result["fio"][OBJECT_FILES_JOB]["median_gbps"]
+        result["object_files_vs_fio"] = files / result["fio_best_gbps"]
+        result["cold_vs_object_files"] = result["cold_load_gbps"] / files
     result.update(_cpu_comparison(result))
 
     # 4. memory tier vs memcpy of the same bytes
@@ -237,8 +253,12 @@ def format_table(r: dict) -> str:
         "-" * 79,
     ]
     for job, v in r["fio"].items():
-        what = (f"fio seq read buffered 128KiB x{r.get('fio_streams', 1)}" if job.startswith("buffered")
-                else "fio seq read O_DIRECT 1MiB " + job)
+        if job == OBJECT_FILES_JOB:
+            what = f"fio same, files of {r['object_bytes'] / MiB:.2f}MiB"
+        elif job.startswith("buffered"):
+            what = f"fio seq read buffered 128KiB x{r.get('fio_streams', 1)}"
+        else:
+            what = "fio seq read O_DIRECT 1MiB " + job
         lines.append(f"{what:<40}{v['median_gbps']:>8.2f}  {v['median_gbps'] / fio_best:>12.2f} x fio  {v['cpu_s_per_gb']:>9.3f}")
     for w, v in r["cold"].items():
         mark = " *" if w == r["cold_best_window"] else ""
@@ -253,6 +273,11 @@ def format_table(r: dict) -> str:
         f"cold load (best window {r['cold_best_window']}) = {r['cold_vs_fio']:.2f} x best fio; "
         f"memory load = {r['memory_vs_memcpy']:.2f} x memcpy"
     )
+    if "cold_vs_object_files" in r:
+        lines.append(
+            f"fio itself over files of kvtier's object size: {r['object_files_vs_fio']:.2f} x best fio "
+            f"(the ceiling of one file per object); kvtier's cold load = {r['cold_vs_object_files']:.2f} x that"
+        )
     kv = r["cold_cpu_s_per_gb"]
     lines.append(
         f"CPU per GB read (user + system): kvtier {kv:.3f} s, fio {r['fio_cpu_s_per_gb']:.3f} s "
