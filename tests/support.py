@@ -107,6 +107,28 @@ def shared_config(path: Path, capacity: int = 64 * OBJ, **kw) -> SharedConfig:
     return SharedConfig(path=str(path), capacity=capacity, **kw)
 
 
+def hold_reads(tier, keys: Sequence[ChunkKey], first_held: int, gate: threading.Event) -> None:
+    """Make a directory tier's reads of ``keys[first_held:]`` wait for
+    ``gate`` before they finish, on whichever read path it uses: a pool
+    thread per read (``_read_one``) or native AIO (the default; each landed
+    object is finished by ``_finish_read``)."""
+    read, finish = tier._read_one, tier._finish_read
+
+    def held(key):
+        if keys.index(key) >= first_held:
+            assert gate.wait(10)
+
+    def read_one(key):
+        held(key)
+        return read(key)
+
+    def finish_read(key, *args):
+        held(key)
+        return finish(key, *args)
+
+    tier._read_one, tier._finish_read = read_one, finish_read
+
+
 def assert_object(obj: ChunkObject, key: ChunkKey) -> None:
     """``obj`` is the object written for ``key``."""
     assert obj.header.matches(key)

@@ -9,7 +9,13 @@ what its control file says to do instead:
 - ``latency_s``: every operation waits this long first (a far server);
 - ``mode``: ``ok``; ``hang`` (every operation blocks until the mode changes:
   a shared mount whose server went away); ``eio`` (every operation fails
-  with EIO: a failing device).
+  with EIO: a failing device); ``no-direct`` (files opened with O_DIRECT
+  open, but their reads fail with EINVAL, as on file systems that accept
+  the flag and refuse the I/O).
+
+Files are opened beneath the mount without O_DIRECT whatever the caller
+asked: the mount itself bypasses the page cache (below), as a network file
+system's O_DIRECT does, and the reads of its own buffers need no alignment.
 
 The control file is JSON, outside the mount, and read again whenever it
 changes, so a test or a benchmark changes the mount's behaviour while kvtier
@@ -42,6 +48,7 @@ from pathlib import Path
 from typing import Iterator
 
 _POLL_S = 0.02  # how often a hung operation looks at the control file again
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
 class _Control:
@@ -113,6 +120,9 @@ class _Control:
 def _operations(source: str, control: _Control):
     from mfusepy import FuseOSError, Operations
 
+    direct: set[int] = set()  # descriptors the caller opened with O_DIRECT
+    direct_lock = threading.Lock()
+
     class Passthrough(Operations):
         """Every call maps a mount path onto ``source``; an OSError reaches
         the caller as its errno (mfusepy's wrapper does that)."""
@@ -160,9 +170,15 @@ def _operations(source: str, control: _Control):
             return 0
 
         def open(self, path, flags):
-            return os.open(self._real(path), flags & ~(os.O_CREAT | os.O_EXCL))
+            fh = os.open(self._real(path), flags & ~(os.O_CREAT | os.O_EXCL | _O_DIRECT))
+            if flags & _O_DIRECT:
+                with direct_lock:
+                    direct.add(fh)
+            return fh
 
         def read(self, path, size, offset, fh):
+            if control.mode == "no-direct" and fh in direct:
+                raise OSError(errno.EINVAL, "faultfs: O_DIRECT reads refused on command")
             data = os.pread(fh, size, offset)
             control.pace(len(data))
             return data
@@ -174,6 +190,8 @@ def _operations(source: str, control: _Control):
             return os.readlink(self._real(path))
 
         def release(self, path, fh):
+            with direct_lock:
+                direct.discard(fh)
             os.close(fh)
             return 0
 

@@ -9,10 +9,12 @@ configurations at once (they would share the cores):
     kvtier-memory      kvtier, memory tier
     kvtier-disk        kvtier, local disk tier
     kvtier-shared      kvtier, shared-directory tier, page cache dropped (cold reads)
-    kvtier-shared-direct, kvtier-shared-aio
-                       the same tier read with O_DIRECT from a thread per read
-                       (o_direct: true) or with native AIO from one driver
-                       thread (o_direct + aio): the read paths side by side
+    kvtier-shared-buffered, kvtier-shared-direct, kvtier-shared-aio
+                       the same tier read buffered with readahead (o_direct:
+                       false), with O_DIRECT from a thread per read (aio:
+                       false) or with O_DIRECT through native AIO from one
+                       driver thread (the default, spelled out): the read
+                       paths side by side
     example            vLLM's built-in ExampleConnector (disk), the peer baseline;
                        its files are dropped from the page cache like the shared tier's
     kvtier-local-disk  W3 only: each instance has a disk tier of its own (the
@@ -64,7 +66,11 @@ CONFIGS = ("recompute", "prefix-cache", "kvtier-memory", "kvtier-disk", "kvtier-
 W3_CONFIGS = ("recompute", "kvtier-local-disk", "kvtier-shared")
 W0_CONFIGS = ("prefix-cache", "kvtier-shared")
 # The shared tier's other read paths (FileTierConfig o_direct / aio).
-READ_PATHS = {"kvtier-shared-direct": {"o_direct": True}, "kvtier-shared-aio": {"o_direct": True, "aio": True}}
+READ_PATHS = {
+    "kvtier-shared-buffered": {"o_direct": False},
+    "kvtier-shared-direct": {"o_direct": True, "aio": False},
+    "kvtier-shared-aio": {"o_direct": True, "aio": True},
+}
 ALL_CONFIGS = CONFIGS + ("kvtier-local-disk", "kvtier-throttled") + tuple(READ_PATHS)
 WORKLOADS = ("w1", "w2", "w3", "w0")
 BLOCK = 128

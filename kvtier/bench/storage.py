@@ -249,8 +249,8 @@ def format_table(r: dict) -> str:
         f"({r['model']['name']}, {r['chunk_tokens']} tokens/chunk, {r['sessions']} sessions); "
         f"medians of {r['repeats']} runs",
         "",
-        f"{'measurement':<40}{'GB/s':>8}  {'ratio':>18}  {'CPU s/GB':>9}",
-        "-" * 79,
+        f"{'measurement':<44}{'GB/s':>8}  {'ratio':>18}  {'CPU s/GB':>9}",
+        "-" * 83,
     ]
     for job, v in r["fio"].items():
         if job == OBJECT_FILES_JOB:
@@ -259,14 +259,14 @@ def format_table(r: dict) -> str:
             what = f"fio seq read buffered 128KiB x{r.get('fio_streams', 1)}"
         else:
             what = "fio seq read O_DIRECT 1MiB " + job
-        lines.append(f"{what:<40}{v['median_gbps']:>8.2f}  {v['median_gbps'] / fio_best:>12.2f} x fio  {v['cpu_s_per_gb']:>9.3f}")
+        lines.append(f"{what:<44}{v['median_gbps']:>8.2f}  {v['median_gbps'] / fio_best:>12.2f} x fio  {v['cpu_s_per_gb']:>9.3f}")
     for w, v in r["cold"].items():
         mark = " *" if w == r["cold_best_window"] else ""
-        lines.append(f"{'kvtier cold load, window ' + w:<40}{v['median_gbps']:>8.2f}  "
+        lines.append(f"{'kvtier cold load, window ' + w:<44}{v['median_gbps']:>8.2f}  "
                      f"{v['median_gbps'] / fio_best:>12.2f} x fio  {v['cpu_s_per_gb']:>9.3f}{mark}")
-    lines.append(f"{'memcpy (same bytes)':<40}{r['memcpy_gbps']:>8.2f}")
+    lines.append(f"{'memcpy (same bytes)':<44}{r['memcpy_gbps']:>8.2f}")
     lines.append(
-        f"{'kvtier memory-tier load':<40}{r['memory_load_gbps']:>8.2f}  {r['memory_vs_memcpy']:>9.2f} x memcpy"
+        f"{'kvtier memory-tier load':<44}{r['memory_load_gbps']:>8.2f}  {r['memory_vs_memcpy']:>9.2f} x memcpy"
     )
     lines.append("")
     lines.append(

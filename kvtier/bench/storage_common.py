@@ -33,9 +33,11 @@ from kvtier.tiers.memory import MemoryConfig
 MiB = 1 << 20
 GiB = 1 << 30
 
-READ_MODES = ("direct", "buffered")  # the file tiers' o_direct: true / false (measured by default)
-# Every mode ``--read-modes`` takes: "direct-aio" is O_DIRECT issued with
-# Linux native AIO from one driver thread (aio: true).
+# Measured by default: the file tiers' default read path (O_DIRECT through
+# native AIO from one driver thread: o_direct and aio true) and buffered reads
+# (o_direct: false). Every mode ``--read-modes`` takes adds "direct", O_DIRECT
+# with one pool thread per blocking read (aio: false).
+READ_MODES = ("direct-aio", "buffered")
 READ_MODE_CHOICES = ("direct", "buffered", "direct-aio")
 
 

@@ -21,6 +21,7 @@ another; the consumer's thread iterates; ``stop`` may come from any.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -58,7 +59,10 @@ class AioStream:
     backend trouble) and ``finish(key, op, got, t0)`` closes and verifies it
     (the object, or None if it failed verification). ``read_sync(key)`` reads
     one object the ordinary way, for the rare file the file system would not
-    open with O_DIRECT.
+    open with O_DIRECT, and for reads the kernel refused (EINVAL: a file
+    system that opens with O_DIRECT but refuses the I/O, or AIO on it);
+    ``refused()`` is then called, once, so that the tier's next loads read
+    the ordinary way.
     """
 
     def __init__(
@@ -73,8 +77,10 @@ class AioStream:
         bytes_per_token: Callable[[], int],
         piece_bytes: int = 4 << 20,
         depth: int = 256,
+        refused: Callable[[], None] = lambda: None,
     ):
         self._keys = keys
+        self._refused = refused
         self._begin = begin
         self._finish = finish
         self._read_sync = read_sync
@@ -100,6 +106,8 @@ class AioStream:
             self._run()
         except BaseException as exc:  # unexpected: the stream ends where the consumer is
             log.warning("kvtier: a read stream's driver failed: %s", exc)
+            if isinstance(exc, OSError) and exc.errno == errno.EINVAL:
+                self._refused()  # io_submit refused: the next loads read the ordinary way
             with self._cond:
                 self._crash = exc
         finally:
@@ -168,7 +176,13 @@ class AioStream:
                     del pending[i]
                     inflight -= r.est
                     errs = [-x for x in r.results.values() if x < 0]
-                    if errs:
+                    if errs and errno.EINVAL in errs:
+                        # Refused, not failed: read it the ordinary way (which
+                        # falls back to buffered if O_DIRECT itself is refused).
+                        r.op.abandon(self._pool)
+                        self._refused()
+                        self._set(i, self._sync(self._keys[i]))
+                    elif errs:
                         r.op.abandon(self._pool)
                         self._set(i, OSError(errs[0], f"read failed: {os.strerror(errs[0])}"))
                     else:

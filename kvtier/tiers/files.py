@@ -22,6 +22,7 @@ checked in one place.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import secrets
 import socket
@@ -37,6 +38,8 @@ from kvtier.config import ConfigError
 from kvtier.errors import CorruptObject
 from kvtier.keys import ChunkKey
 
+
+log = logging.getLogger(__name__)
 
 LAYOUT_DIR = "kvtier-v1"
 SUFFIX = ".kvc"
@@ -166,9 +169,27 @@ class ObjectDir:
 
         Raises FileNotFoundError for a miss, CorruptObject for a bad object
         (a symlink, FIFO or other non-file where an object belongs included),
-        OSError for I/O trouble.
+        OSError for I/O trouble. A file system that opens files with O_DIRECT
+        but refuses the reads (EINVAL) is read buffered from then on.
         """
         pool = pool if pool is not None else BufferPool(0)
+        direct = o_direct and self.direct_ok
+        try:
+            return self._read(key, direct, cold, pool)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL or not direct:
+                raise
+            self.refuse_direct(f"an O_DIRECT read failed ({exc.strerror})")
+            return self._read(key, False, cold, pool)
+
+    def refuse_direct(self, why: str) -> None:
+        """Read this directory buffered from now on: its file system refused
+        O_DIRECT I/O (logged once)."""
+        if self.direct_ok:
+            self.direct_ok = False
+            log.warning("kvtier: %s under %s; reading it buffered from now on", why, self.root)
+
+    def _read(self, key: ChunkKey, o_direct: bool, cold: bool, pool: BufferPool) -> tuple[ChunkObject, float]:
         op = self.open_read(key, o_direct, pool)
         got = 0
         try:

@@ -39,12 +39,13 @@ class FileTierConfig:
     path: str = opt("", "directory for objects (required)")
     capacity: int = size_field(0, "bytes this tier may hold (required)")
     name: str = opt("", "tier name in metrics and logs (defaults to the kind)")
-    o_direct: bool = opt(False, "read with O_DIRECT into aligned buffers instead of buffered reads with readahead "
-                         "(`kvtier bench storage` measures both on your storage)")
+    o_direct: bool = opt(True, "read with O_DIRECT into aligned buffers (false: buffered reads with readahead; "
+                         "`kvtier bench storage` measures both on your storage; file systems that refuse O_DIRECT "
+                         "are read buffered anyway)")
     cold_reads: bool = opt(False, "drop each object from the page cache after reading it (benchmarks)")
     read_window_bytes: int = size_field(64 << 20, "bytes of reads in flight per load")
     io_threads: int = opt(16, "threads of this tier's I/O pool", ge=1)
-    aio: bool = opt(False, "with o_direct: issue a load's reads with Linux native AIO from one driver thread, "
+    aio: bool = opt(True, "with o_direct: issue a load's reads with Linux native AIO from one driver thread, "
                     "each landed object verified on the pool (false: one pool thread per blocking read; where the "
                     "kernel offers no AIO, threads are used anyway)")
     fsync: bool = opt(False, "fsync each object before publishing (checksums already catch torn data)")
@@ -68,6 +69,7 @@ class FileTier(PooledTier):
         super().__init__(config, metrics, breaker, pool)
         self.dir = ObjectDir(config.path, f"{self.name}.path")
         self.executor = PriorityExecutor(self.name, config.io_threads)
+        self._aio_ok = True  # false once the kernel refused this directory's AIO reads
 
     # ------------------------------------------------------------ hooks
     def _admit(self, key: ChunkKey, obj: ChunkObject) -> bool:
@@ -107,10 +109,18 @@ class FileTier(PooledTier):
     def _stream(self, keys: Sequence[ChunkKey]):
         # O_DIRECT reads go through native AIO from one driver thread; the
         # pool's threads read buffered files (AIO would run those inline).
-        if self.config.o_direct and self.config.aio and self.dir.direct_ok and aio.available():
+        if self.config.o_direct and self.config.aio and self._aio_ok and self.dir.direct_ok and aio.available():
             return AioStream(self.executor, keys, self._begin_read, self._finish_read, self._read_one, self.pool,
-                             self.config.read_window_bytes, lambda: self._bytes_per_token)
+                             self.config.read_window_bytes, lambda: self._bytes_per_token, refused=self._refuse_aio)
         return super()._stream(keys)
+
+    def _refuse_aio(self) -> None:
+        """The kernel refused an AIO read here: later loads use the pool's
+        threads (logged once)."""
+        if self._aio_ok:
+            self._aio_ok = False
+            log.warning("tier %s: the kernel refused native AIO reads under %s; reading with threads from now on",
+                        self.name, self.dir.root)
 
     def _begin_read(self, key: ChunkKey) -> OpenRead | None:
         return self._judged(key, lambda: self.dir.open_read(key, True, self.pool))

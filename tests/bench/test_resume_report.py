@@ -105,12 +105,14 @@ def test_rounds_run_the_configurations_abba_except_w0():
 
 
 def test_read_path_configurations_read_the_shared_tier_their_way(tmp_path):
-    """kvtier-shared-direct / -aio run the shared tier with o_direct (and aio),
+    """kvtier-shared-buffered / -direct / -aio run the shared tier buffered, with
+    O_DIRECT from a thread per read, and through native AIO (the default),
     cold like kvtier-shared, so that one run compares the read paths."""
     from kvtier.bench import resume, workloads
     from kvtier.config import parse_tier
 
-    cfg = resume.ResumeConfig(workdir=tmp_path, configs=("kvtier-shared", "kvtier-shared-direct", "kvtier-shared-aio"))
+    cfg = resume.ResumeConfig(workdir=tmp_path, configs=("kvtier-shared", "kvtier-shared-buffered", "kvtier-shared-direct",
+                                                         "kvtier-shared-aio"))
     work = workloads.w1(2, 512, 100)
     tiers = {}
     for name in cfg.configs + ("kvtier-shared-aio+mp",):
@@ -119,9 +121,11 @@ def test_read_path_configurations_read_the_shared_tier_their_way(tmp_path):
         assert spec["cold"] == {"drop_page_cache": True}, name
         (tier,) = spec["kvtier"]["tiers"]
         parsed = parse_tier(tier, "tiers[0]").config  # what the engine's connector will build
-        assert (parsed.o_direct, parsed.aio) == (tier.get("o_direct", False), tier.get("aio", False))
-        tiers[name] = {k: tier.get(k, False) for k in ("kind", "o_direct", "aio")}
-    assert tiers["kvtier-shared"] == {"kind": "shared", "o_direct": False, "aio": False}
+        # Unset options take the file tiers' defaults: O_DIRECT through native AIO.
+        assert (parsed.o_direct, parsed.aio) == (tier.get("o_direct", True), tier.get("aio", True))
+        tiers[name] = {k: tier.get(k, True) for k in ("kind", "o_direct", "aio")}
+    assert tiers["kvtier-shared"] == {"kind": "shared", "o_direct": True, "aio": True}
+    assert tiers["kvtier-shared-buffered"] == {"kind": "shared", "o_direct": False, "aio": True}
     assert tiers["kvtier-shared-direct"] == {"kind": "shared", "o_direct": True, "aio": False}
     assert tiers["kvtier-shared-aio"] == tiers["kvtier-shared-aio+mp"] == {"kind": "shared", "o_direct": True, "aio": True}
     assert not resume.valid_config("kvtier-shared-turbo")

@@ -46,9 +46,10 @@ def test_bench_storage_cli_writes_table_and_json(tmp_path):
     assert r["object_files_vs_fio"] == pytest.approx(files / r["fio_best_gbps"])
     assert r["cold_vs_object_files"] == pytest.approx(r["cold_load_gbps"] / files)
     assert "fio same, files of 3.00MiB" in proc.stdout and "the ceiling of one file per object" in proc.stdout
-    # Both read modes, each at every window: the operator sees which suits the storage.
-    assert set(r["cold"]) == {"8MiB", "32MiB", "8MiB buffered", "32MiB buffered"}
-    assert {v["read_mode"] for v in r["cold"].values()} == {"direct", "buffered"}
+    # The default read path (O_DIRECT through AIO) and buffered reads, each at
+    # every window: the operator sees which suits the storage.
+    assert set(r["cold"]) == {"8MiB direct-aio", "32MiB direct-aio", "8MiB buffered", "32MiB buffered"}
+    assert {v["read_mode"] for v in r["cold"].values()} == {"direct-aio", "buffered"}
     assert not any(v["o_direct"] for v in r["cold"].values() if v["read_mode"] == "buffered")
     assert "kvtier cold load, window 8MiB buffered" in proc.stdout
     assert r["cold_load_gbps"] == max(v["median_gbps"] for v in r["cold"].values())

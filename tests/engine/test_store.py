@@ -20,6 +20,7 @@ from tests.support import (
     OBJ,
     assert_object,
     disk_config,
+    hold_reads,
     make_chunks,
     payload_for,
     shared_config,
@@ -154,14 +155,7 @@ def test_prefetch_says_when_each_chunk_is_in_memory(open_store):
     disk = store.tier("disk")
     disk.store(c.objs)
     gate = threading.Event()
-    read = disk._read_one
-
-    def slow_after_three(key):
-        if c.keys.index(key) >= 3:
-            assert gate.wait(10)
-        return read(key)
-
-    disk._read_one = slow_after_three
+    hold_reads(disk, c.keys, 3, gate)
     pf = store.prefetch(c.keys)
     assert pf.wait(3, timeout=10)
     assert store.tier("memory").lookup(c.keys[:3]) == 3

@@ -146,3 +146,27 @@ def test_a_hanging_shared_directory_costs_bounded_time_then_is_skipped(faulty_mo
             store.tier("memory").clear()
             time.sleep(0.1)
         assert shared.breaker.state == "closed"
+
+
+@pytest.mark.parametrize("aio", [True, False], ids=["aio", "threads"])
+def test_a_mount_that_refuses_o_direct_reads_is_read_buffered_without_a_miss(faulty_mount, caplog, aio):
+    """The default read path is O_DIRECT (through native AIO): a file system
+    that opens files with O_DIRECT but refuses the reads (EINVAL) must cost
+    no hit and no error; the tier reads it buffered from then on, and says so
+    once."""
+    metrics = Metrics()
+    keys = keys_for(820, CHUNKS)
+    cfg = StoreConfig(tiers=(TierSpec("shared", shared_config(faulty_mount.path, 64 * OBJ, aio=aio)),))
+    with TieredStore(cfg, metrics) as store:
+        shared = store.tier("shared")
+        assert shared.config.o_direct and shared.dir.direct_ok
+        _save(store, keys)
+        assert store.flush(10)
+        faulty_mount.set(mode="no-direct")
+        for _ in range(2):
+            assert _request(store, keys)[0] == CHUNKS
+        assert not shared.dir.direct_ok
+        assert metrics.value("kvtier_errors_total", tier="shared", op="load") == 0
+        assert shared.breaker.state == "closed"
+        refusals = [r for r in caplog.records if "reading it buffered from now on" in r.getMessage()]
+        assert len(refusals) == 1

@@ -20,7 +20,7 @@ from kvtier.integrations.vllm.settings import Settings, Topology
 from kvtier.integrations.vllm.worker import KVTierWorker
 from kvtier.keys import shard_key
 from kvtier.tiers.files import ObjectDir
-from tests.support import NS, keys_for
+from tests.support import NS, hold_reads, keys_for
 
 BS = NS.chunk_tokens  # one engine block per chunk
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(NS.num_layers)]
@@ -75,14 +75,7 @@ def test_chunks_are_copied_in_while_later_ones_are_still_read(rig):
     disk = store.tier("disk")
     disk.store(objs)
     gate = threading.Event()
-    read = disk._read_one
-
-    def held_back_after_three(key):
-        if keys.index(key) >= 3:
-            assert gate.wait(10)
-        return read(key)
-
-    disk._read_one = held_back_after_three
+    hold_reads(disk, keys, 3, gate)
     job = LoadJob("r1", [ChunkIO(k, [i + 1]) for i, k in enumerate(keys)], ["disk"] * len(keys))
     worker.start_load_kv(KVTierMetadata(loads=[job]))
 
