@@ -41,6 +41,15 @@ class Metrics:
         self.used_bytes = Gauge(f"{p}_used_bytes", "Bytes held by a tier (this instance's view)", ["tier"], registry=r)
         self.capacity_bytes = Gauge(f"{p}_capacity_bytes", "Configured capacity of a tier", ["tier"], registry=r)
         self.breaker_open = Gauge(f"{p}_breaker_open", "1 while a tier's circuit breaker skips it", ["tier"], registry=r)
+        self.read_path_loads = Counter(
+            f"{p}_read_path_loads", "Loads a directory tier read by each path (direct: O_DIRECT; buffered)",
+            ["tier", "path"], registry=r,
+        )
+        self.read_path_rate = Gauge(
+            f"{p}_read_path_rate_bytes_per_second",
+            "A directory tier's moving average of its loads' read rate, per path (adaptive reads choose by it)",
+            ["tier", "path"], registry=r,
+        )
 
     def for_tier(self, tier: str) -> "TierMetrics":
         return TierMetrics(self, tier)
@@ -111,6 +120,13 @@ class TierMetrics:
 
     def observe(self, op: str, seconds: float) -> None:
         self._child(self.m.latency, op).observe(seconds)
+
+    def read_path(self, path: str, rate: float | None) -> None:
+        """A load was read by ``path``; ``rate``: that path's moving average
+        now (bytes/s), if the load counted."""
+        self._child(self.m.read_path_loads, path).inc()
+        if rate is not None:
+            self._child(self.m.read_path_rate, path).set(rate)
 
     def used(self, nbytes: int) -> None:
         self._child(self.m.used_bytes).set(nbytes)

@@ -118,9 +118,9 @@ def hold_reads(tier, keys: Sequence[ChunkKey], first_held: int, gate: threading.
         if keys.index(key) >= first_held:
             assert gate.wait(10)
 
-    def read_one(key):
+    def read_one(key, **kw):
         held(key)
-        return read(key)
+        return read(key, **kw)
 
     def finish_read(key, *args):
         held(key)

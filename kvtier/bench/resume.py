@@ -10,11 +10,12 @@ configurations at once (they would share the cores):
     kvtier-disk        kvtier, local disk tier
     kvtier-shared      kvtier, shared-directory tier, page cache dropped (cold reads)
     kvtier-shared-buffered, kvtier-shared-direct, kvtier-shared-aio
-                       the same tier read buffered with readahead (o_direct:
-                       false), with O_DIRECT from a thread per read (aio:
-                       false) or with O_DIRECT through native AIO from one
-                       driver thread (the default, spelled out): the read
-                       paths side by side
+                       the same tier always read one way: buffered with
+                       readahead (o_direct: false), O_DIRECT from a thread per
+                       read (aio: false), O_DIRECT through native AIO from one
+                       driver thread (adaptive_reads: false); kvtier-shared
+                       reads adaptively (the default): each load by the path
+                       that read faster lately
     example            vLLM's built-in ExampleConnector (disk), the peer baseline;
                        its files are dropped from the page cache like the shared tier's
     kvtier-local-disk  W3 only: each instance has a disk tier of its own (the
@@ -68,8 +69,8 @@ W0_CONFIGS = ("prefix-cache", "kvtier-shared")
 # The shared tier's other read paths (FileTierConfig o_direct / aio).
 READ_PATHS = {
     "kvtier-shared-buffered": {"o_direct": False},
-    "kvtier-shared-direct": {"o_direct": True, "aio": False},
-    "kvtier-shared-aio": {"o_direct": True, "aio": True},
+    "kvtier-shared-direct": {"o_direct": True, "aio": False, "adaptive_reads": False},
+    "kvtier-shared-aio": {"o_direct": True, "aio": True, "adaptive_reads": False},
 }
 ALL_CONFIGS = CONFIGS + ("kvtier-local-disk", "kvtier-throttled") + tuple(READ_PATHS)
 WORKLOADS = ("w1", "w2", "w3", "w0")

@@ -64,7 +64,7 @@ def _shared_spec(path: Path, capacity: int, window: int, threads: int, mode: str
         "shared",
         SharedConfig(
             path=str(path), capacity=capacity, name="shared", o_direct=fio_mode(mode) == "direct",
-            aio=mode == "direct-aio",
+            aio=mode in ("auto", "direct-aio"), adaptive_reads=mode == "auto",
             read_window_bytes=window, io_threads=threads, gc_interval_s=0,
         ),
     )
@@ -143,6 +143,8 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
                 store.tier("shared").drop_cache()
                 cold_runs[variant].append(load_sessions(store, sessions, bufs, per_load[variant], tick, "cold load", "see the log"))
         direct = {v: s.tier("shared").dir.direct_ok and fio_mode(v[1]) == "direct" for v, s in stores.items()}
+        by_path = {v: {p: int(s.metrics.value("kvtier_read_path_loads_total", tier="shared", path=p))
+                       for p in ("direct", "buffered")} for v, s in stores.items()}
     finally:
         remove_fio_file(fio_dir)
         for st in stores.values():
@@ -162,6 +164,7 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
             "median_gbps": median([p.gbps for p in cold_runs[w, m]]),
             "session_load_p50_s": median(per_load[w, m]),
             "o_direct": direct[w, m],
+            "loads_by_path": by_path[w, m],  # adaptive reads ("auto"): which path each load took
             "runs_cpu_s_per_gb": [p.cpu_s_per_gb for p in cold_runs[w, m]],
             "cpu_s_per_gb": median([p.cpu_s_per_gb for p in cold_runs[w, m]]),
         }
@@ -264,6 +267,10 @@ def format_table(r: dict) -> str:
         mark = " *" if w == r["cold_best_window"] else ""
         lines.append(f"{'kvtier cold load, window ' + w:<44}{v['median_gbps']:>8.2f}  "
                      f"{v['median_gbps'] / fio_best:>12.2f} x fio  {v['cpu_s_per_gb']:>9.3f}{mark}")
+    auto = [f"{v['window_bytes'] // MiB}MiB {v['loads_by_path']['direct']}/{v['loads_by_path']['buffered']}"
+            for v in r["cold"].values() if v["read_mode"] == "auto" and "loads_by_path" in v]
+    if auto:
+        lines.append(f"  auto: loads read O_DIRECT/buffered, by window: {', '.join(auto)}")
     lines.append(f"{'memcpy (same bytes)':<44}{r['memcpy_gbps']:>8.2f}")
     lines.append(
         f"{'kvtier memory-tier load':<44}{r['memory_load_gbps']:>8.2f}  {r['memory_vs_memcpy']:>9.2f} x memcpy"

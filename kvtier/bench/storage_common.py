@@ -33,12 +33,13 @@ from kvtier.tiers.memory import MemoryConfig
 MiB = 1 << 20
 GiB = 1 << 30
 
-# Measured by default: the file tiers' default read path (O_DIRECT through
-# native AIO from one driver thread: o_direct and aio true) and buffered reads
-# (o_direct: false). Every mode ``--read-modes`` takes adds "direct", O_DIRECT
-# with one pool thread per blocking read (aio: false).
-READ_MODES = ("direct-aio", "buffered")
-READ_MODE_CHOICES = ("direct", "buffered", "direct-aio")
+# Measured by default: the file tiers' default ("auto": adaptive reads, each
+# load by whichever of the two paths below read faster lately), and each path
+# alone: O_DIRECT through native AIO from one driver thread ("direct-aio") and
+# buffered reads ("buffered", o_direct: false). ``--read-modes`` also takes
+# "direct", O_DIRECT with one pool thread per blocking read (aio: false).
+READ_MODES = ("auto", "direct-aio", "buffered")
+READ_MODE_CHOICES = ("auto", "direct", "buffered", "direct-aio")
 
 
 def fio_mode(mode: str) -> str:

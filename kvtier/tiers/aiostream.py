@@ -78,7 +78,9 @@ class AioStream:
         piece_bytes: int = 4 << 20,
         depth: int = 256,
         refused: Callable[[], None] = lambda: None,
+        path: str = "",
     ):
+        self.path = path  # what the owner calls this way of reading (its accounting)
         self._keys = keys
         self._refused = refused
         self._begin = begin

@@ -12,6 +12,7 @@ removed objects (``_forget``).
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ from kvtier.tiers import aio
 from kvtier.tiers.aiostream import AioStream
 from kvtier.tiers.files import ObjectDir, OpenRead
 from kvtier.tiers.pooled import PooledTier
+from kvtier.tiers.readpath import BUFFERED, DIRECT, ReadPathChooser
+from kvtier.tiers.readstream import ReadStream
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -48,6 +51,9 @@ class FileTierConfig:
     aio: bool = opt(True, "with o_direct: issue a load's reads with Linux native AIO from one driver thread, "
                     "each landed object verified on the pool (false: one pool thread per blocking read; where the "
                     "kernel offers no AIO, threads are used anyway)")
+    adaptive_reads: bool = opt(True, "with o_direct: read some loads buffered too, and read each load by whichever "
+                               "path (O_DIRECT or buffered) this tier's recent loads read faster; one load in 16 "
+                               "takes the other path to notice a change (false: always O_DIRECT)")
     fsync: bool = opt(False, "fsync each object before publishing (checksums already catch torn data)")
 
     def validate(self, prefix: str = "") -> None:
@@ -70,6 +76,7 @@ class FileTier(PooledTier):
         self.dir = ObjectDir(config.path, f"{self.name}.path")
         self.executor = PriorityExecutor(self.name, config.io_threads)
         self._aio_ok = True  # false once the kernel refused this directory's AIO reads
+        self._paths = ReadPathChooser()  # adaptive_reads: O_DIRECT or buffered, per load
 
     # ------------------------------------------------------------ hooks
     def _admit(self, key: ChunkKey, obj: ChunkObject) -> bool:
@@ -97,9 +104,12 @@ class FileTier(PooledTier):
         self._forget(key)
 
     # ------------------------------------------------------------ contract
-    def _read_one(self, key: ChunkKey) -> ChunkObject | None:
+    def _read_one(self, key: ChunkKey, direct: bool | None = None) -> ChunkObject | None:
+        """Read one object on this thread: with O_DIRECT as configured, or as
+        ``direct`` says."""
         t0 = time.perf_counter()
-        read = self._judged(key, lambda: self.dir.read(key, self.config.o_direct, self.config.cold_reads, self.pool))
+        direct = self.config.o_direct if direct is None else direct
+        read = self._judged(key, lambda: self.dir.read(key, direct, self.config.cold_reads, self.pool))
         if read is None:
             return None
         obj, mtime = read
@@ -109,10 +119,19 @@ class FileTier(PooledTier):
     def _stream(self, keys: Sequence[ChunkKey]):
         # O_DIRECT reads go through native AIO from one driver thread; the
         # pool's threads read buffered files (AIO would run those inline).
-        if self.config.o_direct and self.config.aio and self._aio_ok and self.dir.direct_ok and aio.available():
+        direct = self.config.o_direct and self.dir.direct_ok
+        path = self._paths.pick() if direct and self.config.adaptive_reads else (DIRECT if direct else BUFFERED)
+        window, bpt = self.config.read_window_bytes, lambda: self._bytes_per_token
+        if path == DIRECT and self.config.aio and self._aio_ok and aio.available():
             return AioStream(self.executor, keys, self._begin_read, self._finish_read, self._read_one, self.pool,
-                             self.config.read_window_bytes, lambda: self._bytes_per_token, refused=self._refuse_aio)
-        return super()._stream(keys)
+                             window, bpt, refused=self._refuse_aio, path=path)
+        read = functools.partial(self._read_one, direct=path == DIRECT)
+        return ReadStream(self.executor, keys, read, window, bpt, path=path)
+
+    def _streamed(self, stream, nbytes: int, seconds: float) -> None:
+        # Measured whether or not the choice is adaptive: the rates are an
+        # operator's view of the tier's read paths too.
+        self.metrics.read_path(stream.path, self._paths.record(stream.path, nbytes, seconds))
 
     def _refuse_aio(self) -> None:
         """The kernel refused an AIO read here: later loads use the pool's

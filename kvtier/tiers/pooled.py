@@ -107,7 +107,7 @@ class PooledTier(Tier):
         if not self.breaker.allow():
             self.metrics.miss(len(keys))
             return iter(())
-        return self._drain(self._stream(keys), keys, timeout)
+        return self._drain(self._stream(keys), keys, timeout, time.perf_counter())
 
     def _stream(self, keys: Sequence[ChunkKey]) -> ReadStream:
         """The reader of one fetch: ``_read_one`` per key on the pool, within
@@ -115,11 +115,12 @@ class PooledTier(Tier):
         flight returns its own (``iter``, ``stop``, ``failed`` alike)."""
         return ReadStream(self.executor, keys, self._read_one, self.config.read_window_bytes, lambda: self._bytes_per_token)
 
-    def _drain(self, stream, keys: Sequence[ChunkKey], timeout: float | None) -> Iterator[ChunkObject]:
-        served = 0
+    def _drain(self, stream, keys: Sequence[ChunkKey], timeout: float | None, t0: float) -> Iterator[ChunkObject]:
+        served = nbytes = 0
         try:
             for obj in stream.iter(timeout):
                 served += 1
+                nbytes += obj.nbytes
                 # Counted when handed over: reads ahead of a miss or of an
                 # abandoned fetch complete too, but served nobody.
                 self.metrics.hit(1, obj.header.num_tokens, obj.nbytes)
@@ -134,9 +135,14 @@ class PooledTier(Tier):
             self.metrics.miss(len(keys) - served)
             if served and stream.failed is None:
                 self._served(keys[:served])
+                self._streamed(stream, nbytes, time.perf_counter() - t0)
 
     def _served(self, keys: Sequence[ChunkKey]) -> None:
         """``keys`` were served by one fetch (after the last was handed over)."""
+
+    def _streamed(self, stream, nbytes: int, seconds: float) -> None:
+        """``stream`` (from ``_stream``) served ``nbytes`` in ``seconds``, from
+        the fetch's start to its end, without failing."""
 
     def _describe(self, exc: BaseException) -> str:
         return str(exc)

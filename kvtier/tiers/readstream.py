@@ -35,7 +35,9 @@ class ReadStream:
         read_one: Callable[[ChunkKey], ChunkObject | None],
         window_bytes: int,
         bytes_per_token: Callable[[], int],
+        path: str = "",
     ):
+        self.path = path  # what the owner calls this way of reading (its accounting)
         self._executor = executor
         self._keys = keys
         self._read_one = read_one

@@ -46,10 +46,17 @@ def test_bench_storage_cli_writes_table_and_json(tmp_path):
     assert r["object_files_vs_fio"] == pytest.approx(files / r["fio_best_gbps"])
     assert r["cold_vs_object_files"] == pytest.approx(r["cold_load_gbps"] / files)
     assert "fio same, files of 3.00MiB" in proc.stdout and "the ceiling of one file per object" in proc.stdout
-    # The default read path (O_DIRECT through AIO) and buffered reads, each at
-    # every window: the operator sees which suits the storage.
-    assert set(r["cold"]) == {"8MiB direct-aio", "32MiB direct-aio", "8MiB buffered", "32MiB buffered"}
-    assert {v["read_mode"] for v in r["cold"].values()} == {"direct-aio", "buffered"}
+    # The default (adaptive), and each path alone (O_DIRECT through AIO,
+    # buffered), each at every window: the operator sees which suits the storage.
+    assert set(r["cold"]) == {f"{w} {m}" for w in ("8MiB", "32MiB") for m in ("auto", "direct-aio", "buffered")}
+    assert {v["read_mode"] for v in r["cold"].values()} == {"auto", "direct-aio", "buffered"}
+    # Which path each load took: the fixed modes one path only, adaptive reads
+    # measure both first (each session's load of 8 chunks counts).
+    n_loads = 2  # 16 chunks in sessions of 8, one repeat
+    assert r["cold"]["8MiB direct-aio"]["loads_by_path"] == {"direct": n_loads, "buffered": 0}
+    assert r["cold"]["8MiB buffered"]["loads_by_path"] == {"direct": 0, "buffered": n_loads}
+    assert r["cold"]["8MiB auto"]["loads_by_path"] == {"direct": 1, "buffered": 1}
+    assert "auto: loads read O_DIRECT/buffered, by window: 8MiB 1/1" in proc.stdout
     assert not any(v["o_direct"] for v in r["cold"].values() if v["read_mode"] == "buffered")
     assert "kvtier cold load, window 8MiB buffered" in proc.stdout
     assert r["cold_load_gbps"] == max(v["median_gbps"] for v in r["cold"].values())
@@ -100,7 +107,7 @@ def test_bench_storage_rejects_bad_flags(tmp_path):
         capture_output=True, text=True, timeout=60,
     )
     assert proc.returncode == 2
-    assert "expected some of direct, buffered, direct-aio" in proc.stderr
+    assert "expected some of auto, direct, buffered, direct-aio" in proc.stderr
 
 
 @needs_fio

@@ -86,7 +86,7 @@ def test_evict_and_delete_during_loads(harness):
     harness.settle(tier)
     used = tier.stats().used_bytes
     assert 0 <= used <= capacity, used
-    if harness.kind in ("disk", "shared", "shared-direct"):
+    if harness.kind in ("disk", "shared", "shared-buffered", "shared-adaptive"):
         on_disk = sum(e.size for e in tier.dir.scan())
         assert on_disk <= capacity, f"{on_disk} B of objects on disk, capacity {capacity}"
 

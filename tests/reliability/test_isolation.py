@@ -80,7 +80,7 @@ def _names_and_bytes(harness, tier) -> tuple[list[bytes], list[bytes]]:
     kind = harness.kind
     if kind == "memory":
         return [], []
-    if kind in ("disk", "shared", "shared-direct", "shm"):
+    if kind in ("disk", "shared", "shared-buffered", "shared-adaptive", "shm"):
         files = sorted(p for p in harness.path.rglob("*"))
         return ([str(p.relative_to(harness.path)).encode() for p in files],
                 [p.read_bytes() for p in files if p.is_file()])
