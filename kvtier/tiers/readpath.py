@@ -11,7 +11,10 @@ instead: every load's bytes over its seconds, per path, in a moving
 average; each load takes the path with the higher average, and every
 ``explore_every``-th load takes the other one, so that a change of regime
 is noticed within a few dozen loads. What the exploration costs: at most
-one load in ``explore_every`` on the slower path.
+one load in ``explore_every`` on the slower path. Buffered reads are taken
+only when they read ``margin`` times faster: they cost more CPU per byte
+(the page cache's copy; 1.3-3.5 x O_DIRECT's in docs/benchmarks.md), and
+one load's rate is noisy, so near-equal paths must not flap.
 
 A load's rate includes the time its consumer took between objects (the copy
 into the engine's blocks), the same for both paths. Loads smaller than
@@ -29,10 +32,11 @@ PATHS = (DIRECT, BUFFERED)
 
 
 class ReadPathChooser:
-    def __init__(self, explore_every: int = 16, weight: float = 0.3, min_bytes: int = 8 << 20):
+    def __init__(self, explore_every: int = 16, weight: float = 0.3, min_bytes: int = 8 << 20, margin: float = 1.15):
         if explore_every < 2:
             raise ValueError("explore_every must be at least 2")
         self.explore_every = explore_every
+        self.margin = margin
         self.weight = weight
         self.min_bytes = min_bytes
         self._lock = threading.Lock()
@@ -40,14 +44,16 @@ class ReadPathChooser:
         self._picks = 0
 
     def pick(self) -> str:
-        """The path for the next load: one not measured yet, else the faster,
-        except every ``explore_every``-th load, which takes the slower."""
+        """The path for the next load: one not measured yet, else the faster
+        (buffered by ``margin``), except every ``explore_every``-th load,
+        which takes the other."""
         with self._lock:
             self._picks += 1
             for p in PATHS:
                 if self._rate[p] is None:
                     return p
-            best = max(PATHS, key=lambda p: self._rate[p])  # type: ignore[arg-type, return-value]
+            direct, buffered = self._rate[DIRECT], self._rate[BUFFERED]
+            best = BUFFERED if buffered > self.margin * direct else DIRECT  # type: ignore[operator]
             if self._picks % self.explore_every == 0:
                 return BUFFERED if best == DIRECT else DIRECT
             return best

@@ -13,6 +13,15 @@ from tests.support import OBJ, assert_object, make_chunks, shared_config
 MB = 1 << 20
 
 
+def test_buffered_reads_must_be_faster_by_the_margin():
+    c = ReadPathChooser(explore_every=100, min_bytes=MB, margin=1.15)
+    c.pick(); c.record(DIRECT, 100 * MB, 1.0)
+    c.pick(); c.record(BUFFERED, 110 * MB, 1.0)  # faster, within the margin: O_DIRECT costs less CPU
+    assert {c.pick() for _ in range(5)} == {DIRECT}
+    c.record(BUFFERED, 200 * MB, 1.0)  # now clearly faster
+    assert {c.pick() for _ in range(5)} == {BUFFERED}
+
+
 def test_each_path_is_measured_first_then_the_faster_is_taken():
     c = ReadPathChooser(explore_every=4, min_bytes=MB)
     assert c.pick() == DIRECT
