@@ -46,7 +46,8 @@ class FileTierConfig:
                          "`kvtier bench storage` measures both on your storage; file systems that refuse O_DIRECT "
                          "are read buffered anyway)")
     cold_reads: bool = opt(False, "drop each object from the page cache after reading it (benchmarks)")
-    read_window_bytes: int = size_field(64 << 20, "bytes of reads in flight per load")
+    read_window_bytes: int = size_field(128 << 20, "bytes of reads in flight per load (O_DIRECT reads want a "
+                                        "deep queue: a whole 8k-token session of a 0.5B model at once)")
     io_threads: int = opt(16, "threads of this tier's I/O pool", ge=1)
     aio: bool = opt(True, "with o_direct: issue a load's reads with Linux native AIO from one driver thread, "
                     "each landed object verified on the pool (false: one pool thread per blocking read; where the "
