@@ -18,7 +18,10 @@ one load's rate is noisy, so near-equal paths must not flap.
 
 A load's rate includes the time its consumer took between objects (the copy
 into the engine's blocks), the same for both paths. Loads smaller than
-``min_bytes`` are not counted: their time is latency, not bandwidth.
+``min_bytes`` are not counted: their time is latency, not bandwidth; nor is
+each path's first load (``warmup``), which pays for what later loads reuse
+(fresh buffers faulted in, an AIO context, cold metadata), so that the path
+measured first is not judged by its set-up.
 
 Threads: ``pick`` and ``record`` are called from any thread (one lock).
 """
@@ -32,11 +35,13 @@ PATHS = (DIRECT, BUFFERED)
 
 
 class ReadPathChooser:
-    def __init__(self, explore_every: int = 16, weight: float = 0.3, min_bytes: int = 8 << 20, margin: float = 1.15):
+    def __init__(self, explore_every: int = 16, weight: float = 0.3, min_bytes: int = 8 << 20, margin: float = 1.15,
+                 warmup: int = 1):
         if explore_every < 2:
             raise ValueError("explore_every must be at least 2")
         self.explore_every = explore_every
         self.margin = margin
+        self._warmup = {p: warmup for p in PATHS}  # loads of each path still to leave uncounted
         self.weight = weight
         self.min_bytes = min_bytes
         self._lock = threading.Lock()
@@ -65,6 +70,9 @@ class ReadPathChooser:
             return None
         rate = nbytes / seconds
         with self._lock:
+            if self._warmup[path] > 0:
+                self._warmup[path] -= 1
+                return None
             old = self._rate[path]
             new = rate if old is None else old + self.weight * (rate - old)
             self._rate[path] = new

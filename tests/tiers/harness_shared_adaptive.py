@@ -18,7 +18,7 @@ class SharedAdaptiveHarness(SharedHarness):
 
     def _open(self, capacity):
         tier = SharedTier(shared_config(self.path, capacity, name=self.name, touch_interval_s=0.0), self.metrics)
-        tier._paths = ReadPathChooser(explore_every=2, min_bytes=0)
+        tier._paths = ReadPathChooser(explore_every=2, min_bytes=0, warmup=0)
         return tier
 
 

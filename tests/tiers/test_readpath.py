@@ -14,7 +14,7 @@ MB = 1 << 20
 
 
 def test_buffered_reads_must_be_faster_by_the_margin():
-    c = ReadPathChooser(explore_every=100, min_bytes=MB, margin=1.15)
+    c = ReadPathChooser(explore_every=100, min_bytes=MB, margin=1.15, warmup=0)
     c.pick(); c.record(DIRECT, 100 * MB, 1.0)
     c.pick(); c.record(BUFFERED, 110 * MB, 1.0)  # faster, within the margin: O_DIRECT costs less CPU
     assert {c.pick() for _ in range(5)} == {DIRECT}
@@ -23,7 +23,7 @@ def test_buffered_reads_must_be_faster_by_the_margin():
 
 
 def test_each_path_is_measured_first_then_the_faster_is_taken():
-    c = ReadPathChooser(explore_every=4, min_bytes=MB)
+    c = ReadPathChooser(explore_every=4, min_bytes=MB, warmup=0)
     assert c.pick() == DIRECT
     c.record(DIRECT, 100 * MB, 1.0)  # 100 MB/s
     assert c.pick() == BUFFERED
@@ -35,7 +35,7 @@ def test_each_path_is_measured_first_then_the_faster_is_taken():
 
 
 def test_a_change_of_regime_moves_the_choice():
-    c = ReadPathChooser(explore_every=4, weight=0.5, min_bytes=MB)
+    c = ReadPathChooser(explore_every=4, weight=0.5, min_bytes=MB, warmup=0)
     c.pick(); c.record(DIRECT, 300 * MB, 1.0)
     c.pick(); c.record(BUFFERED, 100 * MB, 1.0)
     assert c.pick() == DIRECT
@@ -47,11 +47,21 @@ def test_a_change_of_regime_moves_the_choice():
 
 
 def test_small_loads_do_not_count():
-    c = ReadPathChooser(min_bytes=8 * MB)
+    c = ReadPathChooser(min_bytes=8 * MB, warmup=0)
     assert c.record(DIRECT, 1 * MB, 0.001) is None
     assert c.rates() == {DIRECT: None, BUFFERED: None}
     assert c.pick() == DIRECT  # still unmeasured
     assert c.record(DIRECT, 16 * MB, 0.1) == pytest.approx(160 * MB)
+
+
+def test_each_paths_first_load_is_not_counted():
+    c = ReadPathChooser(min_bytes=MB)  # warmup=1
+    assert c.pick() == DIRECT
+    assert c.record(DIRECT, 10 * MB, 1.0) is None  # its set-up (fresh buffers, ...) is not its speed
+    assert c.pick() == DIRECT  # still unmeasured
+    assert c.record(DIRECT, 100 * MB, 1.0) == pytest.approx(100 * MB)
+    assert c.pick() == BUFFERED
+    assert c.record(BUFFERED, 10 * MB, 1.0) is None
 
 
 def test_explore_every_must_leave_room_for_the_best():
@@ -68,7 +78,7 @@ def test_an_adaptive_tier_reads_by_both_paths_and_serves_the_same_objects(tmp_pa
     c = make_chunks(6)
     with _tier(tmp_path, metrics) as tier:
         assert tier.config.o_direct and tier.config.aio and tier.config.adaptive_reads  # the defaults
-        tier._paths = ReadPathChooser(explore_every=2, min_bytes=0)
+        tier._paths = ReadPathChooser(explore_every=2, min_bytes=0, warmup=0)
         assert tier.store(c.objs) == 6
         for _ in range(6):
             tier.drop_cache()
@@ -90,7 +100,7 @@ def test_without_adaptive_reads_every_load_takes_the_configured_path(tmp_path, o
     metrics = Metrics()
     c = make_chunks(4)
     with _tier(tmp_path, metrics, **opts) as tier:
-        tier._paths = ReadPathChooser(explore_every=2, min_bytes=0)
+        tier._paths = ReadPathChooser(explore_every=2, min_bytes=0, warmup=0)
         tier.store(c.objs)
         for _ in range(4):
             for obj in tier.fetch(c.keys):
