@@ -69,11 +69,11 @@ def _storage_parser(bsub) -> None:
     bs.add_argument("--session-chunks", type=int, default=32, help="chunks per load call, i.e. one resumed session (default 32 = 8k tokens)")
     bs.add_argument("--windows", type=argtypes.sizes, default=(16 << 20, 64 << 20, 128 << 20), help="read windows to try, comma-separated (default 16MiB,64MiB,128MiB)")
     bs.add_argument("--fio-depths", type=argtypes.ints, default=(1, 8, 32), help="fio queue depths (default 1,8,32)")
-    bs.add_argument("--read-modes", type=_read_modes, default=("auto", "direct-aio", "buffered"),
-                    help="kvtier read modes to measure, comma-separated: auto (the file tiers' default: adaptive reads, "
-                    "each load by the path that read faster lately), direct-aio (always O_DIRECT issued with native "
-                    "AIO from one thread), buffered (o_direct: false), direct (O_DIRECT, one pool thread per read) "
-                    "(default auto,direct-aio,buffered)")
+    bs.add_argument("--read-modes", type=_read_modes, default=("direct-aio", "buffered"),
+                    help="kvtier read modes to measure, comma-separated: direct-aio (the file tiers' default: O_DIRECT "
+                    "issued with native AIO from one thread), buffered (o_direct: false), direct (O_DIRECT, one pool "
+                    "thread per read), auto (adaptive_reads: each load by the path that read faster lately) "
+                    "(default direct-aio,buffered)")
     bs.add_argument("--repeats", type=int, default=3, help="runs per measurement; medians are reported (default 3)")
     bs.add_argument("--memory", type=argtypes.size, default=1 << 30, help="bytes used for the memory-tier comparison (default 1GiB)")
     bs.add_argument("--io-threads", type=int, default=32, help="I/O threads of the tier (default 32)")
@@ -142,7 +142,7 @@ def _resume_parser(bsub) -> None:
             "  kvtier-shared                the shared-directory tier, page cache dropped (cold reads)\n"
             "  kvtier-shared-buffered       the same, read buffered with readahead (o_direct: false)\n"
             "  kvtier-shared-direct         the same, read with O_DIRECT from a thread per read (aio: false)\n"
-            "  kvtier-shared-aio            the same, always O_DIRECT through native AIO (adaptive_reads: false)\n"
+            "  kvtier-shared-aio            the same, O_DIRECT through native AIO (the default, spelled out)\n"
             "  example                      vLLM's ExampleConnector, cold reads (the peer baseline)\n"
             "  kvtier-local-disk            w3: a disk tier per instance\n"
             "  kvtier-throttled             the shared tier on a FUSE mount read at --throttle bytes/s\n"

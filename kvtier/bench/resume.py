@@ -13,9 +13,7 @@ configurations at once (they would share the cores):
                        the same tier always read one way: buffered with
                        readahead (o_direct: false), O_DIRECT from a thread per
                        read (aio: false), O_DIRECT through native AIO from one
-                       driver thread (adaptive_reads: false); kvtier-shared
-                       reads adaptively (the default): each load by the path
-                       that read faster lately
+                       driver thread (the default, spelled out)
     example            vLLM's built-in ExampleConnector (disk), the peer baseline;
                        its files are dropped from the page cache like the shared tier's
     kvtier-local-disk  W3 only: each instance has a disk tier of its own (the

@@ -33,12 +33,12 @@ from kvtier.tiers.memory import MemoryConfig
 MiB = 1 << 20
 GiB = 1 << 30
 
-# Measured by default: the file tiers' default ("auto": adaptive reads, each
-# load by whichever of the two paths below read faster lately), and each path
-# alone: O_DIRECT through native AIO from one driver thread ("direct-aio") and
-# buffered reads ("buffered", o_direct: false). ``--read-modes`` also takes
-# "direct", O_DIRECT with one pool thread per blocking read (aio: false).
-READ_MODES = ("auto", "direct-aio", "buffered")
+# Measured by default: the file tiers' default read path, O_DIRECT through
+# native AIO from one driver thread ("direct-aio"), and buffered reads
+# ("buffered", o_direct: false). ``--read-modes`` also takes "direct" (O_DIRECT
+# with one pool thread per blocking read, aio: false) and "auto" (adaptive
+# reads: each load by whichever of the two paths read faster lately).
+READ_MODES = ("direct-aio", "buffered")
 READ_MODE_CHOICES = ("auto", "direct", "buffered", "direct-aio")
 
 

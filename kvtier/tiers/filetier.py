@@ -52,9 +52,10 @@ class FileTierConfig:
     aio: bool = opt(True, "with o_direct: issue a load's reads with Linux native AIO from one driver thread, "
                     "each landed object verified on the pool (false: one pool thread per blocking read; where the "
                     "kernel offers no AIO, threads are used anyway)")
-    adaptive_reads: bool = opt(True, "with o_direct: read some loads buffered too, and read each load by whichever "
+    adaptive_reads: bool = opt(False, "with o_direct: read some loads buffered too, and read each load by whichever "
                                "path (O_DIRECT or buffered) this tier's recent loads read faster; one load in 16 "
-                               "takes the other path to notice a change (false: always O_DIRECT)")
+                               "takes the other path to notice a change (measure it first: `kvtier bench storage "
+                               "--read-modes auto,direct-aio,buffered`)")
     fsync: bool = opt(False, "fsync each object before publishing (checksums already catch torn data)")
 
     def validate(self, prefix: str = "") -> None:

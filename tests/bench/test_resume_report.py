@@ -105,9 +105,9 @@ def test_rounds_run_the_configurations_abba_except_w0():
 
 
 def test_read_path_configurations_read_the_shared_tier_their_way(tmp_path):
-    """kvtier-shared-buffered / -direct / -aio run the shared tier always
-    buffered, with O_DIRECT from a thread per read, and through native AIO
-    (kvtier-shared reads adaptively, the default),
+    """kvtier-shared-buffered / -direct / -aio run the shared tier buffered,
+    with O_DIRECT from a thread per read, and through native AIO (the
+    default, as kvtier-shared),
     cold like kvtier-shared, so that one run compares the read paths."""
     from kvtier.bench import resume, workloads
     from kvtier.config import parse_tier
@@ -122,11 +122,12 @@ def test_read_path_configurations_read_the_shared_tier_their_way(tmp_path):
         assert spec["cold"] == {"drop_page_cache": True}, name
         (tier,) = spec["kvtier"]["tiers"]
         parsed = parse_tier(tier, "tiers[0]").config  # what the engine's connector will build
-        # Unset options take the file tiers' defaults: O_DIRECT through native AIO, adaptive.
+        # Unset options take the file tiers' defaults: O_DIRECT through native AIO, not adaptive.
         opts = ("o_direct", "aio", "adaptive_reads")
-        assert tuple(getattr(parsed, k) for k in opts) == tuple(tier.get(k, True) for k in opts)
-        tiers[name] = {k: tier.get(k, True) for k in ("kind", *opts)}
-    assert tiers["kvtier-shared"] == {"kind": "shared", "o_direct": True, "aio": True, "adaptive_reads": True}
+        defaults = (True, True, False)
+        assert tuple(getattr(parsed, k) for k in opts) == tuple(tier.get(k, d) for k, d in zip(opts, defaults))
+        tiers[name] = {"kind": tier["kind"], **{k: tier.get(k, d) for k, d in zip(opts, defaults)}}
+    assert tiers["kvtier-shared"] == {"kind": "shared", "o_direct": True, "aio": True, "adaptive_reads": False}
     assert tiers["kvtier-shared-buffered"]["o_direct"] is False
     assert tiers["kvtier-shared-direct"] == {"kind": "shared", "o_direct": True, "aio": False, "adaptive_reads": False}
     assert (tiers["kvtier-shared-aio"] == tiers["kvtier-shared-aio+mp"]

@@ -17,7 +17,8 @@ class SharedAdaptiveHarness(SharedHarness):
     tier_kind = "shared"
 
     def _open(self, capacity):
-        tier = SharedTier(shared_config(self.path, capacity, name=self.name, touch_interval_s=0.0), self.metrics)
+        tier = SharedTier(shared_config(self.path, capacity, name=self.name, touch_interval_s=0.0, adaptive_reads=True),
+                          self.metrics)
         tier._paths = ReadPathChooser(explore_every=2, min_bytes=0, warmup=0)
         return tier
 

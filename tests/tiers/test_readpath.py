@@ -76,8 +76,8 @@ def _tier(tmp_path, metrics, **kw):
 def test_an_adaptive_tier_reads_by_both_paths_and_serves_the_same_objects(tmp_path):
     metrics = Metrics()
     c = make_chunks(6)
-    with _tier(tmp_path, metrics) as tier:
-        assert tier.config.o_direct and tier.config.aio and tier.config.adaptive_reads  # the defaults
+    with _tier(tmp_path, metrics, adaptive_reads=True) as tier:
+        assert tier.config.o_direct and tier.config.aio  # the defaults
         tier._paths = ReadPathChooser(explore_every=2, min_bytes=0, warmup=0)
         assert tier.store(c.objs) == 6
         for _ in range(6):
@@ -94,8 +94,8 @@ def test_an_adaptive_tier_reads_by_both_paths_and_serves_the_same_objects(tmp_pa
             assert tier._paths.rates()[p] > 0
 
 
-@pytest.mark.parametrize("opts, path", [({"adaptive_reads": False}, DIRECT), ({"o_direct": False}, BUFFERED)],
-                         ids=["adaptive-off", "buffered"])
+@pytest.mark.parametrize("opts, path", [({}, DIRECT), ({"o_direct": False, "adaptive_reads": True}, BUFFERED)],
+                         ids=["default", "buffered"])
 def test_without_adaptive_reads_every_load_takes_the_configured_path(tmp_path, opts, path):
     metrics = Metrics()
     c = make_chunks(4)
