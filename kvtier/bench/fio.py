@@ -59,6 +59,7 @@ def fio_seq_read_run(directory: Path, iodepth: int, size_bytes: int, block: str 
         raise FioMissing("fio is not installed: apt-get install fio (make demo/test install it)")
     directory.mkdir(parents=True, exist_ok=True)
     per_job = max(1 << 20, size_bytes // jobs)
+    files: list[str] = []
     if file_bytes:
         nfiles = max(1, per_job // file_bytes)
         files = [f"--nrfiles={nfiles}", f"--filesize={file_bytes}", "--file_service_type=sequential"]
@@ -68,7 +69,7 @@ def fio_seq_read_run(directory: Path, iodepth: int, size_bytes: int, block: str 
         f"--name={'kvtier-objread' if file_bytes else 'kvtier-seqread'}",
         f"--directory={directory}",
         *(["--filename=kvtier-fio.dat"] if jobs == 1 and not file_bytes else [f"--numjobs={jobs}", "--group_reporting"]),
-        *(files if file_bytes else []),
+        *files,
         "--rw=read",
         f"--bs={block}",
         f"--direct={1 if direct else 0}",

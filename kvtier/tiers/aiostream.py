@@ -61,8 +61,8 @@ class AioStream:
     one object the ordinary way, for the rare file the file system would not
     open with O_DIRECT, and for reads the kernel refused (EINVAL: a file
     system that opens with O_DIRECT but refuses the I/O, or AIO on it);
-    ``refused()`` is then called, once, so that the tier's next loads read
-    the ordinary way.
+    ``refused()`` is then called (on every refusal; the tier acts on the
+    first), so that the tier's next loads read the ordinary way.
     """
 
     def __init__(

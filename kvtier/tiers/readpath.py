@@ -40,10 +40,10 @@ class ReadPathChooser:
         if explore_every < 2:
             raise ValueError("explore_every must be at least 2")
         self.explore_every = explore_every
-        self.margin = margin
-        self._warmup = {p: warmup for p in PATHS}  # loads of each path still to leave uncounted
         self.weight = weight
         self.min_bytes = min_bytes
+        self.margin = margin
+        self._warmup = {p: warmup for p in PATHS}  # loads of each path still to leave uncounted
         self._lock = threading.Lock()
         self._rate: dict[str, float | None] = {p: None for p in PATHS}  # bytes/s, moving average
         self._picks = 0
