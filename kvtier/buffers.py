@@ -2,34 +2,121 @@
 
 Buffers come from anonymous ``mmap`` so they are 4 KiB aligned, which is what
 O_DIRECT needs. A buffer lives as long as any memoryview of it does.
+
+Read buffers of 2 MiB or more may sit on transparent huge pages
+(``huge=True``): a mapping of exactly the buffer's length, starting on a
+2 MiB boundary, advised ``MADV_HUGEPAGE``. Why: an O_DIRECT read is cut
+into block requests of at most the device's ``max_segments`` physical
+segments (254 on virtio-blk, 127 or fewer on many NVMe drives), and a
+buffer of scattered 4 KiB pages makes each page a segment: a 3 MiB object
+went to the disk as requests of 0.5-1.3 MiB. Each 2 MiB huge page is one
+segment, so a 3 MiB object goes as one or two requests, and the kernel pins
+a huge page for the I/O at the cost of one 4 KiB page (docs/benchmarks.md).
+The mapping is exact, so no memory is spent beyond the buffer: the tail
+that does not fill a huge page stays on 4 KiB pages (khugepaged only
+collapses 2 MiB ranges that lie wholly inside a mapping).
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import threading
+import weakref
 
 ALIGN = 4096
+HUGE = 2 << 20  # a transparent huge page (x86-64, arm64 with 4 KiB pages)
 
 
 def align_up(n: int, align: int = ALIGN) -> int:
     return (n + align - 1) // align * align
 
 
-def alloc(nbytes: int, populate: bool = False) -> memoryview:
+def alloc(nbytes: int, populate: bool = False, huge: bool = False) -> memoryview:
     """A zero-filled, page-aligned, writable buffer of exactly ``nbytes``.
 
     ``populate`` faults every page in at once (MAP_POPULATE), cheaper than one
     fault per page later when the buffer is about to be filled anyway.
+    ``huge``: on transparent huge pages where the kernel offers them and the
+    buffer spans one (see the module's note); 4 KiB pages otherwise.
     """
     if nbytes <= 0:
         return memoryview(bytearray(0))
+    if huge and nbytes >= HUGE and _thp.usable:
+        buf = _alloc_huge(nbytes, populate)
+        if buf is not None:
+            return buf
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
     if populate:
         flags |= getattr(mmap, "MAP_POPULATE", 0)
     mm = mmap.mmap(-1, align_up(nbytes), flags=flags)
     return memoryview(mm)[:nbytes]
+
+
+class _Thp:
+    """Whether huge-page buffers can be made here: Linux with THP not set to
+    ``never``, and the calls answering. Set off for good by the first
+    refusal that will not change (logged by nobody: the buffers still work,
+    on 4 KiB pages)."""
+
+    def __init__(self):
+        self.usable = _libc is not None and _thp_mode() != "never"
+
+
+def _thp_mode() -> str:
+    """The bracketed word of /sys/kernel/mm/transparent_hugepage/enabled
+    ("always", "madvise", "never"), or "never" where there is none."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
+    except OSError:
+        return "never"
+    start, end = text.find("["), text.find("]")
+    return text[start + 1:end] if 0 <= start < end else "never"
+
+
+try:
+    _libc = ctypes.CDLL(None, use_errno=True)
+    _libc.mmap.restype = ctypes.c_void_p
+    _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+except (OSError, AttributeError):  # not a libc with these calls
+    _libc = None
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
+_MADV_POPULATE_WRITE = 23  # Linux 5.14: fault the range in, writable, in one call
+_thp = _Thp()
+
+
+def _alloc_huge(nbytes: int, populate: bool) -> memoryview | None:
+    """``nbytes`` (rounded up to 4 KiB) mapped alone, starting on a 2 MiB
+    boundary, advised MADV_HUGEPAGE before any page is touched; None if a
+    call refused (the caller maps it the ordinary way). Unmapped when the
+    last memoryview of it goes."""
+    length = align_up(nbytes)
+    span = length + HUGE
+    raw = _libc.mmap(None, span, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    if raw is None or raw == _MAP_FAILED:
+        return None
+    start = align_up(raw, HUGE)
+    # Trim the slack so that the mapping is exactly the buffer: a huge page
+    # is then only ever made of the buffer's own bytes.
+    if start > raw:
+        _libc.munmap(raw, start - raw)
+    if raw + span > start + length:
+        _libc.munmap(start + length, raw + span - (start + length))
+    if _libc.madvise(start, length, _MADV_HUGEPAGE) != 0:
+        if ctypes.get_errno() == errno.EINVAL:  # a kernel built without THP
+            _thp.usable = False
+        _libc.munmap(start, length)
+        return None
+    if populate and _libc.madvise(start, length, _MADV_POPULATE_WRITE) != 0:
+        ctypes.memset(start, 0, length)  # an older kernel: fault each page in by writing it
+    arr = (ctypes.c_char * length).from_address(start)
+    weakref.finalize(arr, _libc.munmap, start, length)
+    return memoryview(arr).cast("B")[:nbytes]
 
 
 class BufferPool:
@@ -41,8 +128,11 @@ class BufferPool:
     ``ChunkObject``'s reference count decides that.
     """
 
-    def __init__(self, max_bytes: int = 256 << 20):
+    def __init__(self, max_bytes: int = 256 << 20, huge: bool = True):
+        """``huge``: buffers of 2 MiB or more on transparent huge pages
+        (``alloc``)."""
         self.max_bytes = max_bytes
+        self.huge = huge
         self._lock = threading.Lock()
         self._free: dict[int, list[memoryview]] = {}
         self._kept = 0
@@ -57,7 +147,7 @@ class BufferPool:
                 self.reused += 1
                 return free.pop()
             self.allocated += 1
-        return alloc(nbytes, populate=True)
+        return alloc(nbytes, populate=True, huge=self.huge)
 
     def put(self, buf: memoryview) -> None:
         n = buf.nbytes

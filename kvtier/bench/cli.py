@@ -72,7 +72,8 @@ def _storage_parser(bsub) -> None:
     bs.add_argument("--read-modes", type=_read_modes, default=("direct-aio", "buffered"),
                     help="kvtier read modes to measure, comma-separated: direct-aio (the file tiers' default: O_DIRECT "
                     "issued with native AIO from one thread), buffered (o_direct: false), direct (O_DIRECT, one pool "
-                    "thread per read), auto (adaptive_reads: each load by the path that read faster lately) "
+                    "thread per read), direct-aio-4k (the default path with its read buffers on 4 KiB pages, huge_pages: "
+                    "false), auto (adaptive_reads: each load by the path that read faster lately) "
                     "(default direct-aio,buffered)")
     bs.add_argument("--repeats", type=int, default=3, help="runs per measurement; medians are reported (default 3)")
     bs.add_argument("--memory", type=argtypes.size, default=1 << 30, help="bytes used for the memory-tier comparison (default 1GiB)")
@@ -143,6 +144,8 @@ def _resume_parser(bsub) -> None:
             "  kvtier-shared-buffered       the same, read buffered with readahead (o_direct: false)\n"
             "  kvtier-shared-direct         the same, read with O_DIRECT from a thread per read (aio: false)\n"
             "  kvtier-shared-aio            the same, O_DIRECT through native AIO (the default, spelled out)\n"
+            "  kvtier-shared-4k             the default path with its read buffers on 4 KiB pages\n"
+            "                               (huge_pages: false)\n"
             "  example                      vLLM's ExampleConnector, cold reads (the peer baseline)\n"
             "  kvtier-local-disk            w3: a disk tier per instance\n"
             "  kvtier-throttled             the shared tier on a FUSE mount read at --throttle bytes/s\n"

@@ -14,6 +14,8 @@ configurations at once (they would share the cores):
                        readahead (o_direct: false), O_DIRECT from a thread per
                        read (aio: false), O_DIRECT through native AIO from one
                        driver thread (the default, spelled out)
+    kvtier-shared-4k   the default path with its read buffers on 4 KiB pages
+                       (the store's huge_pages: false)
     example            vLLM's built-in ExampleConnector (disk), the peer baseline;
                        its files are dropped from the page cache like the shared tier's
     kvtier-local-disk  W3 only: each instance has a disk tier of its own (the
@@ -69,7 +71,11 @@ READ_PATHS = {
     "kvtier-shared-buffered": {"o_direct": False},
     "kvtier-shared-direct": {"o_direct": True, "aio": False, "adaptive_reads": False},
     "kvtier-shared-aio": {"o_direct": True, "aio": True, "adaptive_reads": False},
+    "kvtier-shared-4k": {},
 }
+# Store options of the configurations that differ from the default in more
+# than their tier (the read buffers' pages).
+STORE_OPTIONS = {"kvtier-shared-4k": {"huge_pages": False}}
 ALL_CONFIGS = CONFIGS + ("kvtier-local-disk", "kvtier-throttled") + tuple(READ_PATHS)
 WORKLOADS = ("w1", "w2", "w3", "w0")
 BLOCK = 128
@@ -182,6 +188,8 @@ def _spec(cfg: ResumeConfig, name: str, label: str, workload: wl.Workload, model
     }
     kvtier = ({"chunk_tokens": CHUNK, "tiers": tiers[name], "load_decision": cfg.load_decision}
               if name in tiers else None)
+    if kvtier is not None:
+        kvtier.update(STORE_OPTIONS.get(name, {}))
     if kvtier is not None and node_memory:
         kvtier["node_memory_dir"] = node_memory  # this run's node memory, shared by its instances
     cold: dict = {}

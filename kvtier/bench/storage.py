@@ -64,7 +64,7 @@ def _shared_spec(path: Path, capacity: int, window: int, threads: int, mode: str
         "shared",
         SharedConfig(
             path=str(path), capacity=capacity, name="shared", o_direct=fio_mode(mode) == "direct",
-            aio=mode in ("auto", "direct-aio"), adaptive_reads=mode == "auto",
+            aio=mode in ("auto", "direct-aio", "direct-aio-4k"), adaptive_reads=mode == "auto",
             read_window_bytes=window, io_threads=threads, gc_interval_s=0,
         ),
     )
@@ -129,7 +129,8 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
     cold_runs: dict[tuple, list] = {v: [] for v in variants}
     per_load: dict[tuple, list[float]] = {v: [] for v in variants}
     stores = {
-        (w, m): TieredStore(StoreConfig(tiers=(_shared_spec(store_dir, capacity, w, cfg.io_threads, m),), promote=False))
+        (w, m): TieredStore(StoreConfig(tiers=(_shared_spec(store_dir, capacity, w, cfg.io_threads, m),), promote=False,
+                                        huge_pages=m != "direct-aio-4k"))
         for w, m in variants
     }
     tick = progress("fio + cold loads", cfg.repeats * (len(fio_jobs) + len(variants) * len(sessions)))

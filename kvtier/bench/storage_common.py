@@ -36,10 +36,12 @@ GiB = 1 << 30
 # Measured by default: the file tiers' default read path, O_DIRECT through
 # native AIO from one driver thread ("direct-aio"), and buffered reads
 # ("buffered", o_direct: false). ``--read-modes`` also takes "direct" (O_DIRECT
-# with one pool thread per blocking read, aio: false) and "auto" (adaptive
+# with one pool thread per blocking read, aio: false), "direct-aio-4k" (the
+# default path with its read buffers on 4 KiB pages, the store's
+# huge_pages: false) and "auto" (adaptive
 # reads: each load by whichever of the two paths read faster lately).
 READ_MODES = ("direct-aio", "buffered")
-READ_MODE_CHOICES = ("auto", "direct", "buffered", "direct-aio")
+READ_MODE_CHOICES = ("auto", "direct", "buffered", "direct-aio", "direct-aio-4k")
 
 
 def fio_mode(mode: str) -> str:

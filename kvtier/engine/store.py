@@ -62,7 +62,7 @@ class TieredStore:
         a disk folder another process owns with a reader, for instance."""
         self.config = config
         self.metrics = metrics or Metrics()
-        self.pool = BufferPool(config.buffer_pool_bytes)
+        self.pool = BufferPool(config.buffer_pool_bytes, huge=config.huge_pages)
         self.tiers: list[Tier] = []
         try:
             for i, spec in enumerate(config.tiers):

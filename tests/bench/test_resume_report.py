@@ -135,6 +135,26 @@ def test_read_path_configurations_read_the_shared_tier_their_way(tmp_path):
     assert not resume.valid_config("kvtier-shared-turbo")
 
 
+def test_the_4k_configuration_reads_the_default_path_into_buffers_on_small_pages(tmp_path):
+    """kvtier-shared-4k is kvtier-shared with the store's huge_pages off,
+    so that one run measures what huge-page read buffers change."""
+    from kvtier.bench import resume, workloads
+    from kvtier.config import load_config
+    from kvtier.integrations.vllm.settings import CONNECTOR_KEYS
+
+    cfg = resume.ResumeConfig(workdir=tmp_path, configs=("kvtier-shared", "kvtier-shared-4k"))
+    work = workloads.w1(2, 512, 100)
+    specs = {n: resume._spec(cfg, n, "512", work, tmp_path, 0, None) for n in cfg.configs}
+    # What the connector builds: its own keys apart, the rest a store config.
+    built = {n: load_config(None, {k: v for k, v in s["kvtier"].items() if k not in CONNECTOR_KEYS}, environ={})
+             for n, s in specs.items()}
+    assert built["kvtier-shared"].huge_pages is True
+    assert built["kvtier-shared-4k"].huge_pages is False
+    assert specs["kvtier-shared-4k"]["cold"] == specs["kvtier-shared"]["cold"] == {"drop_page_cache": True}
+    assert [{k: v for k, v in t.items() if k != "path"} for t in specs["kvtier-shared-4k"]["kvtier"]["tiers"]] == \
+        [{k: v for k, v in t.items() if k != "path"} for t in specs["kvtier-shared"]["kvtier"]["tiers"]]
+
+
 def test_warmup_runs_the_first_configuration_once_unmeasured_before_the_rounds(tmp_path, monkeypatch):
     from kvtier.bench import resume
 

@@ -1,0 +1,90 @@
+"""Read buffers: page alignment, and huge-page buffers that are exact
+mappings on a 2 MiB boundary, on transparent huge pages where the kernel
+offers them, unmapped with their last view."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from kvtier import buffers
+from kvtier.buffers import ALIGN, HUGE, BufferPool, address, align_up, alloc
+
+
+def _mapping(addr: int) -> dict | None:
+    """The /proc/self/smaps entry of the mapping that starts at ``addr``:
+    its length and its AnonHugePages in bytes; None if nothing starts there."""
+    found = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                found = {"length": end - start} if start == addr else None
+            elif found is not None and head == "AnonHugePages:":
+                found["huge"] = int(line.split()[1]) * 1024
+                return found
+    return found
+
+
+def _thp_on() -> bool:
+    return buffers._thp_mode() in ("always", "madvise")
+
+
+def _small_pages(m: dict | None) -> bool:
+    """No huge page in the mapping, where the kernel only makes them when
+    asked (THP "madvise" or "never"; under "always" every mapping may get them)."""
+    return buffers._thp_mode() == "always" or m is None or m.get("huge", 0) == 0
+
+
+def test_a_huge_buffer_is_an_exact_mapping_on_a_2mib_boundary_on_huge_pages():
+    n = 3 * (1 << 20) + 4096  # a 0.5B model's 256-token chunk object
+    buf = alloc(n, populate=True, huge=True)
+    assert buf.nbytes == n and not buf.readonly and buf.format == "B"
+    assert bytes(buf[:64]) == bytes(64) and buf[n - 1] == 0
+    buf[:] = b"\x07" * n
+    assert buf[0] == buf[n - 1] == 7
+    m = _mapping(address(buf))
+    if _thp_on():
+        assert address(buf) % HUGE == 0
+        # No slack: the mapping is the buffer, so no huge page is ever made of
+        # bytes the buffer does not own.
+        assert m is not None and m["length"] == align_up(n)
+        assert m["huge"] >= HUGE  # the first 2 MiB is one huge page
+    else:
+        # THP off: an ordinary mapping, still page aligned.
+        assert address(buf) % ALIGN == 0 and _small_pages(m)
+
+
+def test_a_huge_buffer_is_unmapped_with_its_last_view():
+    buf = alloc(4 << 20, populate=True, huge=True)
+    addr = address(buf)
+    part = buf[100:200]
+    del buf
+    gc.collect()
+    assert _mapping(addr) is not None  # a slice still holds it
+    part[0] = 1
+    del part
+    gc.collect()
+    assert _mapping(addr) is None
+
+
+def test_buffers_below_a_huge_page_or_without_huge_stay_on_small_pages():
+    small = alloc(1 << 20, populate=True, huge=True)
+    plain = alloc(4 << 20, populate=True)
+    for b in (small, plain):
+        assert address(b) % ALIGN == 0
+        assert _small_pages(_mapping(address(b)))
+
+
+@pytest.mark.parametrize("huge", [True, False])
+def test_the_pool_recycles_buffers_on_the_pages_it_was_asked_for(huge):
+    pool = BufferPool(64 << 20, huge=huge)
+    a = pool.get(6 << 20)
+    addr = address(a)
+    m = _mapping(addr)
+    assert (m is not None and m["huge"] >= HUGE) if (huge and _thp_on()) else _small_pages(m)
+    pool.put(a)
+    b = pool.get(6 << 20)
+    assert address(b) == addr and pool.reused == 1 and pool.allocated == 1
