@@ -14,6 +14,10 @@ In one run, on one directory:
    copy into caller buffers);
 4. kvtier memory-tier loads against a plain memcpy of the same bytes.
 
+Beside each fio job and cold load, the mean size of the read requests the
+block device completed meanwhile (Linux's ``/sys/dev/block/M:m/stat``):
+whether reads reached the device whole or cut into pieces.
+
 Every figure is the median of ``repeats`` runs; ratios compare medians of the
 same run. Nothing is cached between runs of step 3 (the files are dropped
 from the page cache before each).
@@ -68,6 +72,38 @@ def _shared_spec(path: Path, capacity: int, window: int, threads: int, mode: str
             read_window_bytes=window, io_threads=threads, gc_interval_s=0,
         ),
     )
+
+
+class DeviceReads:
+    """Read requests completed by the block device that holds a directory,
+    from ``/sys/dev/block/MAJOR:MINOR/stat`` (Linux; a partition counts its
+    own). ``sample`` is None where there is no such file (tmpfs, overlay,
+    another OS): the report then leaves request sizes out."""
+
+    def __init__(self, path: Path):
+        st = os.stat(path)
+        self._stat = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/stat")
+
+    def sample(self) -> tuple[int, int] | None:
+        """(read requests completed, 512-byte sectors read) so far."""
+        try:
+            fields = self._stat.read_text().split()
+            return int(fields[0]), int(fields[2])
+        except (OSError, ValueError, IndexError):
+            return None
+
+    @staticmethod
+    def mean_kib(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+        """Mean read request in KiB between two samples (None without both,
+        or without a request between them)."""
+        if before is None or after is None or after[0] <= before[0]:
+            return None
+        return (after[1] - before[1]) * 512 / (after[0] - before[0]) / 1024
+
+
+def _median_or_none(xs: list) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return median(xs) if xs else None
 
 
 def cold_label(window: int, mode: str) -> str:
@@ -125,6 +161,8 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
         # way (each file's readahead starts small and ends with the file).
         fio_jobs[OBJECT_FILES_JOB] = (1, "128k", False, streams, object_bytes)
     fio_runs: dict[str, list] = {j: [] for j in fio_jobs}
+    device = DeviceReads(store_dir)
+    requests: dict = {k: [] for k in fio_jobs}  # mean request KiB per run, by fio job or cold variant
     variants = [(w, m) for m in cfg.read_modes for w in cfg.windows]
     cold_runs: dict[tuple, list] = {v: [] for v in variants}
     per_load: dict[tuple, list[float]] = {v: [] for v in variants}
@@ -137,12 +175,18 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
     try:
         for _ in range(cfg.repeats):
             for job, (depth, block, o_direct, n_streams, file_bytes) in fio_jobs.items():
+                # fio lays its files out before it reads: sampled around the whole run, the
+                # requests are its reads' (writes are counted apart).
+                s0 = device.sample()
                 fio_runs[job].append(fio_seq_read_run(fio_dir, depth, fio_size, block=block, direct=o_direct,
                                                       jobs=n_streams, file_bytes=file_bytes))
+                requests[job].append(device.mean_kib(s0, device.sample()))
                 tick(1)
             for variant, store in stores.items():
                 store.tier("shared").drop_cache()
+                s0 = device.sample()
                 cold_runs[variant].append(load_sessions(store, sessions, bufs, per_load[variant], tick, "cold load", "see the log"))
+                requests.setdefault(variant, []).append(device.mean_kib(s0, device.sample()))
         direct = {v: s.tier("shared").dir.direct_ok and fio_mode(v[1]) == "direct" for v, s in stores.items()}
         by_path = {v: {p: int(s.metrics.value("kvtier_read_path_loads_total", tier="shared", path=p))
                        for p in ("direct", "buffered")} for v, s in stores.items()}
@@ -151,7 +195,8 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
         for st in stores.values():
             st.close()
     result["fio"] = {
-        j: {**summarize(runs), "read_mode": "direct" if fio_jobs[j][2] else "buffered"}
+        j: {**summarize(runs), "read_mode": "direct" if fio_jobs[j][2] else "buffered",
+            "request_kib": _median_or_none(requests[j])}
         for j, runs in fio_runs.items()
     }
     result["fio_streams"] = streams
@@ -168,6 +213,7 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
             "loads_by_path": by_path[w, m],  # adaptive reads ("auto"): which path each load took
             "runs_cpu_s_per_gb": [p.cpu_s_per_gb for p in cold_runs[w, m]],
             "cpu_s_per_gb": median([p.cpu_s_per_gb for p in cold_runs[w, m]]),
+            "request_kib": _median_or_none(requests[w, m]),
         }
         for w, m in variants
     }
@@ -241,6 +287,13 @@ def _fs_type(path: Path) -> str:
     return f"{best[1]} on {best[2]}" if best[2] else best[1]
 
 
+def _kib(v: float | None) -> str:
+    """A request size for the table: KiB below 1 MiB, else MiB; blank if unknown."""
+    if not v:
+        return f"{'':>9}"
+    return f"{v:>5.0f} KiB" if v < 1024 else f"{v / 1024:>5.2f} MiB"
+
+
 def format_table(r: dict) -> str:
     if "tier" in r:
         from kvtier.bench import storage_remote
@@ -253,8 +306,8 @@ def format_table(r: dict) -> str:
         f"({r['model']['name']}, {r['chunk_tokens']} tokens/chunk, {r['sessions']} sessions); "
         f"medians of {r['repeats']} runs",
         "",
-        f"{'measurement':<44}{'GB/s':>8}  {'ratio':>18}  {'CPU s/GB':>9}",
-        "-" * 83,
+        f"{'measurement':<44}{'GB/s':>8}  {'ratio':>18}  {'CPU s/GB':>9}  {'request':>9}",
+        "-" * 94,
     ]
     for job, v in r["fio"].items():
         if job == OBJECT_FILES_JOB:
@@ -263,15 +316,19 @@ def format_table(r: dict) -> str:
             what = f"fio seq read buffered 128KiB x{r.get('fio_streams', 1)}"
         else:
             what = "fio seq read O_DIRECT 1MiB " + job
-        lines.append(f"{what:<44}{v['median_gbps']:>8.2f}  {v['median_gbps'] / fio_best:>12.2f} x fio  {v['cpu_s_per_gb']:>9.3f}")
+        lines.append(f"{what:<44}{v['median_gbps']:>8.2f}  {v['median_gbps'] / fio_best:>12.2f} x fio  "
+                     f"{v['cpu_s_per_gb']:>9.3f}  {_kib(v.get('request_kib'))}")
     for w, v in r["cold"].items():
         mark = " *" if w == r["cold_best_window"] else ""
         lines.append(f"{'kvtier cold load, window ' + w:<44}{v['median_gbps']:>8.2f}  "
-                     f"{v['median_gbps'] / fio_best:>12.2f} x fio  {v['cpu_s_per_gb']:>9.3f}{mark}")
+                     f"{v['median_gbps'] / fio_best:>12.2f} x fio  {v['cpu_s_per_gb']:>9.3f}  "
+                     f"{_kib(v.get('request_kib'))}{mark}")
     auto = [f"{v['window_bytes'] // MiB}MiB {v['loads_by_path']['direct']}/{v['loads_by_path']['buffered']}"
             for v in r["cold"].values() if v["read_mode"] == "auto" and "loads_by_path" in v]
     if auto:
         lines.append(f"  auto: loads read O_DIRECT/buffered, by window: {', '.join(auto)}")
+    if any(v.get("request_kib") for v in [*r["fio"].values(), *r["cold"].values()]):
+        lines.append("  request: the mean read request the block device completed during the run")
     lines.append(f"{'memcpy (same bytes)':<44}{r['memcpy_gbps']:>8.2f}")
     lines.append(
         f"{'kvtier memory-tier load':<44}{r['memory_load_gbps']:>8.2f}  {r['memory_vs_memcpy']:>9.2f} x memcpy"

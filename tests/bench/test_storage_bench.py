@@ -10,10 +10,12 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import redis
 
+from kvtier.bench.storage import DeviceReads
 from kvtier.bench.storage_common import fio_mode
 from tests.tiers.redisserver import REDIS_SERVER, RedisServer, free_port
 from tests.tiers.s3server import ACCESS_KEY, BUCKET, SECRET_KEY, shared_server, weed_binary
@@ -30,7 +32,8 @@ def test_bench_storage_cli_writes_table_and_json(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "kvtier.cli", "bench", "storage", "--dir", str(tmp_path / "d"), "--size", "48MiB",
          "--windows", "8MiB,32MiB", "--fio-depths", "1,8", "--repeats", "1", "--memory", "24MiB",
-         "--session-chunks", "8", "--read-modes", "auto,direct-aio,buffered", "--json", str(out), "--no-progress"],
+         "--session-chunks", "8", "--read-modes", "auto,direct-aio,buffered,direct-aio-4k", "--json", str(out),
+         "--no-progress"],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
@@ -49,8 +52,20 @@ def test_bench_storage_cli_writes_table_and_json(tmp_path):
     assert "fio same, files of 3.00MiB" in proc.stdout and "the ceiling of one file per object" in proc.stdout
     # Adaptive reads, and each path alone (O_DIRECT through AIO, the default;
     # buffered), each at every window: the operator sees which suits the storage.
-    assert set(r["cold"]) == {f"{w} {m}" for w in ("8MiB", "32MiB") for m in ("auto", "direct-aio", "buffered")}
-    assert {v["read_mode"] for v in r["cold"].values()} == {"auto", "direct-aio", "buffered"}
+    modes = ("auto", "direct-aio", "buffered", "direct-aio-4k")
+    assert set(r["cold"]) == {f"{w} {m}" for w in ("8MiB", "32MiB") for m in modes}
+    assert {v["read_mode"] for v in r["cold"].values()} == set(modes)
+    # The default path with its buffers on 4 KiB pages reads O_DIRECT too.
+    assert r["cold"]["8MiB direct-aio-4k"]["loads_by_path"] == {"direct": 2, "buffered": 0}
+    assert r["cold"]["8MiB direct-aio-4k"]["o_direct"]
+    # The block device's mean read request beside each measurement, where
+    # the directory sits on one (not on tmpfs or overlay).
+    if DeviceReads(tmp_path).sample() is not None:
+        for v in (*r["fio"].values(), *r["cold"].values()):
+            assert v["request_kib"] > 0
+        assert "request: the mean read request the block device completed" in proc.stdout
+    else:
+        assert all(v["request_kib"] is None for v in r["cold"].values())
     # Which path each load took: the fixed modes one path only; adaptive reads
     # measure O_DIRECT first (its first load is a warm-up, uncounted).
     n_loads = 2  # 16 chunks in sessions of 8, one repeat
@@ -89,6 +104,15 @@ def test_bench_storage_cli_writes_table_and_json(tmp_path):
     assert proc.returncode == 0, proc.stderr
     objs = list((tmp_path / "d" / "store" / "kvtier-v1" / "objects").rglob("*.kvc"))
     assert len(objs) == 16
+
+
+def test_device_reads_mean_request_size_and_where_there_is_no_device(tmp_path):
+    assert DeviceReads.mean_kib((10, 1000), (14, 1000 + 4 * 2048)) == 1024  # 4 requests of 1 MiB
+    assert DeviceReads.mean_kib((10, 1000), (10, 1000)) is None  # no request between the samples
+    assert DeviceReads.mean_kib(None, (10, 1000)) is None
+    # tmpfs has no block device: no sample, and no request size in the report.
+    if os.path.isdir("/dev/shm"):
+        assert DeviceReads(Path("/dev/shm")).sample() is None
 
 
 def test_bench_storage_rejects_bad_flags(tmp_path):
