@@ -15,6 +15,16 @@ a huge page for the I/O at the cost of one 4 KiB page (docs/benchmarks.md).
 The mapping is exact, so no memory is spent beyond the buffer: the tail
 that does not fill a huge page stays on 4 KiB pages (khugepaged only
 collapses 2 MiB ranges that lie wholly inside a mapping).
+
+That tail still costs a request: a 0.5B model's object (3 MiB + 4 KiB) is
+one huge page and 257 small ones, over 254 segments, so it goes as two
+requests (2 + 1 MiB), and cold loads read 1.7-1.9 GB/s where whole-object
+requests read 2.5 (docs/benchmarks.md). ``whole=True`` maps whole huge
+pages (3 MiB + 4 KiB in 4 MiB): one request per object, at up to a third
+more memory per buffer. ``BufferPool`` gives such buffers only to O_DIRECT
+reads of a store where no tier keeps the buffers it is handed (a
+process-local memory tier would hold them for long), and counts them at
+their whole size.
 """
 
 from __future__ import annotations
@@ -33,18 +43,20 @@ def align_up(n: int, align: int = ALIGN) -> int:
     return (n + align - 1) // align * align
 
 
-def alloc(nbytes: int, populate: bool = False, huge: bool = False) -> memoryview:
+def alloc(nbytes: int, populate: bool = False, huge: bool = False, whole: bool = False) -> memoryview:
     """A zero-filled, page-aligned, writable buffer of exactly ``nbytes``.
 
     ``populate`` faults every page in at once (MAP_POPULATE), cheaper than one
     fault per page later when the buffer is about to be filled anyway.
     ``huge``: on transparent huge pages where the kernel offers them and the
     buffer spans one (see the module's note); 4 KiB pages otherwise.
+    ``whole``: with ``huge``, mapped in whole huge pages (the length rounded
+    up to 2 MiB), so that no part of it sits on 4 KiB pages.
     """
     if nbytes <= 0:
         return memoryview(bytearray(0))
     if huge and nbytes >= HUGE and _thp.usable:
-        buf = _alloc_huge(nbytes, populate)
+        buf = _alloc_huge(nbytes, populate, whole)
         if buf is not None:
             return buf
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
@@ -90,12 +102,12 @@ _MADV_POPULATE_WRITE = 23  # Linux 5.14: fault the range in, writable, in one ca
 _thp = _Thp()
 
 
-def _alloc_huge(nbytes: int, populate: bool) -> memoryview | None:
-    """``nbytes`` (rounded up to 4 KiB) mapped alone, starting on a 2 MiB
-    boundary, advised MADV_HUGEPAGE before any page is touched; None if a
-    call refused (the caller maps it the ordinary way). Unmapped when the
-    last memoryview of it goes."""
-    length = align_up(nbytes)
+def _alloc_huge(nbytes: int, populate: bool, whole: bool) -> memoryview | None:
+    """``nbytes`` (rounded up to 4 KiB, or to 2 MiB if ``whole``) mapped
+    alone, starting on a 2 MiB boundary, advised MADV_HUGEPAGE before any
+    page is touched; None if a call refused (the caller maps it the ordinary
+    way). Unmapped when the last memoryview of it goes."""
+    length = align_up(nbytes, HUGE if whole else ALIGN)
     span = length + HUGE
     raw = _libc.mmap(None, span, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
     if raw is None or raw == _MAP_FAILED:
@@ -120,7 +132,7 @@ def _alloc_huge(nbytes: int, populate: bool) -> memoryview | None:
 
 
 class BufferPool:
-    """Recycles aligned buffers by exact size, up to ``max_bytes`` kept.
+    """Recycles aligned buffers by size, up to ``max_bytes`` of mappings kept.
 
     Fresh anonymous memory costs a page fault and a page of zeroing per 4 KiB
     (about as much CPU as the read itself on a small host); recycled buffers
@@ -128,33 +140,49 @@ class BufferPool:
     ``ChunkObject``'s reference count decides that.
     """
 
-    def __init__(self, max_bytes: int = 256 << 20, huge: bool = True):
+    def __init__(self, max_bytes: int = 256 << 20, huge: bool = True, whole_reads: bool = False):
         """``huge``: buffers of 2 MiB or more on transparent huge pages
-        (``alloc``)."""
+        (``alloc``). ``whole_reads``: those for O_DIRECT reads in whole huge
+        pages (``get(direct_read=True)``); the store that owns the pool turns
+        it on when none of its tiers keeps the buffers it is handed."""
         self.max_bytes = max_bytes
         self.huge = huge
+        self.whole_reads = whole_reads
         self._lock = threading.Lock()
-        self._free: dict[int, list[memoryview]] = {}
-        self._kept = 0
+        self._free: dict[tuple[int, int], list[memoryview]] = {}  # (length, mapping length) -> buffers
+        self._kept = 0  # bytes of mappings kept
         self.allocated = 0  # fresh allocations, for tests and tuning
         self.reused = 0
 
-    def get(self, nbytes: int) -> memoryview:
+    def get(self, nbytes: int, direct_read: bool = False) -> memoryview:
+        """A buffer of ``nbytes``: recycled, or fresh and faulted in.
+        ``direct_read``: it is for an O_DIRECT read (whole huge pages, where
+        ``whole_reads``)."""
+        whole = direct_read and self.whole_reads and self.huge and nbytes >= HUGE and _thp.usable
+        key = (nbytes, align_up(nbytes, HUGE if whole else ALIGN))
         with self._lock:
-            free = self._free.get(nbytes)
+            free = self._free.get(key)
             if free:
-                self._kept -= nbytes
+                self._kept -= key[1]
                 self.reused += 1
                 return free.pop()
             self.allocated += 1
-        return alloc(nbytes, populate=True, huge=self.huge)
+        return alloc(nbytes, populate=True, huge=self.huge, whole=whole)
 
     def put(self, buf: memoryview) -> None:
-        n = buf.nbytes
+        key = (buf.nbytes, mapped_bytes(buf))
         with self._lock:
-            if self._kept + n <= self.max_bytes:
-                self._free.setdefault(n, []).append(buf)
-                self._kept += n
+            if self._kept + key[1] <= self.max_bytes:
+                self._free.setdefault(key, []).append(buf)
+                self._kept += key[1]
+
+
+def mapped_bytes(buf: memoryview) -> int:
+    """Bytes of the mapping (or other object) a buffer is a view of."""
+    try:
+        return len(buf.obj)
+    except TypeError:
+        return buf.nbytes
 
 
 def address(buf: memoryview) -> int:

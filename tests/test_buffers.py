@@ -88,3 +88,40 @@ def test_the_pool_recycles_buffers_on_the_pages_it_was_asked_for(huge):
     pool.put(a)
     b = pool.get(6 << 20)
     assert address(b) == addr and pool.reused == 1 and pool.allocated == 1
+
+
+def test_whole_huge_page_buffers_go_to_direct_reads_only_and_count_at_their_mapped_size():
+    n = 3 * (1 << 20) + 4096
+    pool = BufferPool(64 << 20, huge=True, whole_reads=True)
+    r = pool.get(n, direct_read=True)
+    w = pool.get(n)  # an encode's buffer, say: exact
+    assert r.nbytes == w.nbytes == n
+    mr, mw = _mapping(address(r)), _mapping(address(w))
+    if _thp_on():
+        # Whole huge pages: the read goes to the device in one request.
+        assert mr["length"] == 4 << 20 and mr["huge"] == 4 << 20
+        assert mw["length"] == align_up(n)
+    pool.put(r)
+    pool.put(w)
+    assert pool._kept == (mr["length"] if _thp_on() else align_up(n)) + align_up(n)
+    # Each comes back to the same kind of use.
+    assert address(pool.get(n, direct_read=True)) == address(r)
+    assert address(pool.get(n)) == address(w)
+    # Without whole_reads, a direct read takes an exact buffer.
+    exact = BufferPool(64 << 20, huge=True).get(n, direct_read=True)
+    assert _mapping(address(exact))["length"] == align_up(n)
+
+
+def test_a_store_gives_whole_page_reads_only_when_no_tier_keeps_buffers(tmp_path):
+    from kvtier.config import StoreConfig, TierSpec
+    from kvtier.engine.store import TieredStore
+    from kvtier.tiers.disk import DiskConfig
+    from kvtier.tiers.memory import MemoryConfig
+
+    def disk(name):  # a disk folder is one process's (and one store's) own
+        return TierSpec("disk", DiskConfig(path=str(tmp_path / name), capacity=1 << 30))
+
+    mem = TierSpec("memory", MemoryConfig(capacity=1 << 30))
+    with TieredStore(StoreConfig(tiers=(disk("a"),))) as alone, TieredStore(StoreConfig(tiers=(mem, disk("b")))) as kept:
+        assert alone.pool.whole_reads is True
+        assert kept.pool.whole_reads is False  # the memory tier keeps promoted reads' buffers

@@ -80,6 +80,9 @@ class TieredStore:
                 t.close()
             raise
         self._by_name = {t.name: t for t in self.tiers}
+        # Buffers of whole huge pages for O_DIRECT reads, unless a tier keeps
+        # what it is handed (they would hold up to a third more memory each).
+        self.pool.whole_reads = not any(t.keeps_buffers for t in self.tiers)
         # The memory level: the first tier in host DRAM (process-local or
         # node-wide); what lower tiers return is promoted into it.
         self.memory: Tier | None = next((t for t in self.tiers if t.host_memory), None)

@@ -13,7 +13,8 @@
     close()
 
 and the attributes ``name``, ``kind``, ``config``, ``metrics`` (its
-``TierMetrics``), ``breaker``, ``persistent`` and ``host_memory``.
+``TierMetrics``), ``breaker``, ``persistent``, ``host_memory`` and
+``keeps_buffers``.
 
 Keys are ``ChunkKey``; objects are ``ChunkObject``. Every method is batched.
 A tier never raises for storage trouble: it counts it and answers with a
@@ -31,7 +32,11 @@ write-through target and a reopened tier still holds them). ``host_memory``
 marks the tiers that keep chunks in host DRAM (the process-local ``memory``
 tier, the node-wide ``shm`` tier): the store's first such tier is its memory
 level. Buffers passed to ``load`` belong to the caller and are only written
-before ``load`` returns.
+before ``load`` returns. ``keeps_buffers``: the tier keeps objects it is
+handed (``store``) in their own buffers, for long (the process-local
+``memory`` tier); a store none of whose tiers does gives its O_DIRECT reads
+buffers of whole huge pages (``BufferPool.whole_reads``), which cost more
+memory per buffer than a kept object should.
 
 Optional abilities are protocols beside the contract, never probed by name:
 ``Maintenance`` (``clear``, ``drop_cache``) for tests, benchmarks and
@@ -68,6 +73,8 @@ class Tier(abc.ABC):
     # Chunks held in host DRAM: the store's memory level (promotion and
     # prefetch target; the vLLM connector copies such hits in synchronously).
     host_memory: ClassVar[bool] = False
+    # Keeps the buffers of objects it stores (retains them; see the module's note).
+    keeps_buffers: ClassVar[bool] = False
 
     def __init__(
         self,

@@ -241,7 +241,7 @@ class ObjectDir:
                 if size < need:
                     raise CorruptObject(f"truncated: {size} B, need {need}")
                 size = need
-            return OpenRead(fd, direct, size, pool.get(align_up(size)), st.st_mtime)
+            return OpenRead(fd, direct, size, pool.get(align_up(size), direct_read=direct), st.st_mtime)
         except BaseException:
             os.close(fd)
             raise

@@ -43,6 +43,7 @@ class MemoryTier(Tier):
     Config = MemoryConfig
     persistent = False
     host_memory = True
+    keeps_buffers = True
 
     def __init__(self, config: MemoryConfig, metrics=None, breaker=None, pool=None):
         super().__init__(config, metrics, breaker, pool)

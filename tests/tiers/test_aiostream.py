@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from kvtier.buffers import BufferPool
+from kvtier.buffers import BufferPool, mapped_bytes
 from kvtier.metrics import Metrics
 from kvtier.tiers import aio
 from kvtier.tiers.aiostream import AioStream
@@ -57,11 +57,11 @@ class CountingPool(BufferPool):
         super().__init__(64 << 20)
         self.fresh_bytes = 0
 
-    def get(self, nbytes):
+    def get(self, nbytes, direct_read=False):
         before = self.allocated
-        buf = super().get(nbytes)
+        buf = super().get(nbytes, direct_read)
         if self.allocated > before:
-            self.fresh_bytes += buf.nbytes
+            self.fresh_bytes += mapped_bytes(buf)  # what the pool counts when it keeps it
         return buf
 
 
