@@ -127,7 +127,9 @@ def _alloc_huge(nbytes: int, populate: bool, whole: bool) -> memoryview | None:
     if populate and _libc.madvise(start, length, _MADV_POPULATE_WRITE) != 0:
         ctypes.memset(start, 0, length)  # an older kernel: fault each page in by writing it
     arr = (ctypes.c_char * length).from_address(start)
-    weakref.finalize(arr, _libc.munmap, start, length)
+    # Not at exit: a thread still copying out of it then would fault, and
+    # the process's end unmaps everything anyway.
+    weakref.finalize(arr, _libc.munmap, start, length).atexit = False
     return memoryview(arr).cast("B")[:nbytes]
 
 
@@ -157,21 +159,32 @@ class BufferPool:
     def get(self, nbytes: int, direct_read: bool = False) -> memoryview:
         """A buffer of ``nbytes``: recycled, or fresh and faulted in.
         ``direct_read``: it is for an O_DIRECT read (whole huge pages, where
-        ``whole_reads``)."""
+        ``whole_reads``). A free buffer of the same length but the other
+        mapping is taken rather than a fresh one: a fresh buffer costs a
+        millisecond or more (4-5 ms for huge pages the kernel must first
+        gather), a mapping not quite of the preferred kind costs little."""
         whole = direct_read and self.whole_reads and self.huge and nbytes >= HUGE and _thp.usable
-        key = (nbytes, align_up(nbytes, HUGE if whole else ALIGN))
+        exact, rounded = (nbytes, align_up(nbytes)), (nbytes, align_up(nbytes, HUGE))
         with self._lock:
-            free = self._free.get(key)
-            if free:
-                self._kept -= key[1]
-                self.reused += 1
-                return free.pop()
+            for key in ((rounded, exact) if whole else (exact, rounded)):
+                free = self._free.get(key)
+                if free:
+                    self._kept -= key[1]
+                    self.reused += 1
+                    return free.pop()
             self.allocated += 1
         return alloc(nbytes, populate=True, huge=self.huge, whole=whole)
 
     def put(self, buf: memoryview) -> None:
+        """Keep ``buf`` for reuse if there is room. A buffer on huge pages
+        (dearer to make again) may take the room of free ones on small pages."""
         key = (buf.nbytes, mapped_bytes(buf))
         with self._lock:
+            if self._kept + key[1] > self.max_bytes and isinstance(buf.obj, ctypes.Array):
+                for k in [k for k, v in self._free.items() if v and not isinstance(v[0].obj, ctypes.Array)]:
+                    while self._free[k] and self._kept + key[1] > self.max_bytes:
+                        self._free[k].pop()
+                        self._kept -= k[1]
             if self._kept + key[1] <= self.max_bytes:
                 self._free.setdefault(key, []).append(buf)
                 self._kept += key[1]

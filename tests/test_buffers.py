@@ -125,3 +125,34 @@ def test_a_store_gives_whole_page_reads_only_when_no_tier_keeps_buffers(tmp_path
     with TieredStore(StoreConfig(tiers=(disk("a"),))) as alone, TieredStore(StoreConfig(tiers=(mem, disk("b")))) as kept:
         assert alone.pool.whole_reads is True
         assert kept.pool.whole_reads is False  # the memory tier keeps promoted reads' buffers
+
+
+def test_the_pool_takes_a_free_buffer_of_the_other_mapping_before_making_one():
+    """Reads (whole huge pages) and saves (exact) of one object size share
+    the pool: neither makes a fresh buffer while one of the other kind is free."""
+    n = 3 * (1 << 20) + 4096
+    pool = BufferPool(64 << 20, huge=True, whole_reads=True)
+    r = pool.get(n, direct_read=True)
+    pool.put(r)
+    w = pool.get(n)  # a save: no exact buffer free, so the read's is taken
+    assert address(w) == address(r) and pool.allocated == 1
+    pool.put(w)
+    e = BufferPool(64 << 20, huge=False)
+    x = e.get(n)
+    e.put(x)
+    assert address(e.get(n, direct_read=True)) == address(x) and e.allocated == 1
+
+
+@pytest.mark.skipif(not _thp_on(), reason="needs transparent huge pages (madvise or always)")
+def test_a_huge_buffer_takes_the_room_of_free_small_ones_when_the_pool_is_full():
+    n = 3 * (1 << 20) + 4096
+    pool = BufferPool(8 << 20, huge=False)
+    small = [pool.get(n), pool.get(n)]
+    for b in small:
+        pool.put(b)
+    assert pool._kept == 2 * align_up(n)
+    big = alloc(n, populate=True, huge=True, whole=True)
+    pool.put(big)  # 4 MiB: room made by dropping one small buffer
+    assert pool._kept == align_up(n) + (4 << 20)
+    pool.huge, pool.whole_reads = True, True
+    assert address(pool.get(n, direct_read=True)) == address(big)

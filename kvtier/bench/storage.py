@@ -19,8 +19,10 @@ block device completed meanwhile (Linux's ``/sys/dev/block/M:m/stat``):
 whether reads reached the device whole or cut into pieces.
 
 Every figure is the median of ``repeats`` runs; ratios compare medians of the
-same run. Nothing is cached between runs of step 3 (the files are dropped
-from the page cache before each).
+same run. Steps 2 and 3 are interleaved: each repeat runs every fio job and
+every cold load once, in the reverse order of the repeat before. Nothing is
+cached between runs of step 3 (the files are dropped from the page cache
+before each).
 """
 
 from __future__ import annotations
@@ -173,20 +175,26 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
     }
     tick = progress("fio + cold loads", cfg.repeats * (len(fio_jobs) + len(variants) * len(sessions)))
     try:
-        for _ in range(cfg.repeats):
-            for job, (depth, block, o_direct, n_streams, file_bytes) in fio_jobs.items():
-                # fio lays its files out before it reads: sampled around the whole run, the
-                # requests are its reads' (writes are counted apart).
+        # Each repeat runs every measurement, fio's and kvtier's, in the order
+        # of the one before reversed: on a disk whose speed drifts within a
+        # repeat (a throttle's burst credit, writeback), no measurement always
+        # runs in the same place.
+        steps: list[tuple[str, object]] = [("fio", j) for j in fio_jobs] + [("cold", v) for v in stores]
+        for rep in range(cfg.repeats):
+            for kind, what in (steps if rep % 2 == 0 else steps[::-1]):
                 s0 = device.sample()
-                fio_runs[job].append(fio_seq_read_run(fio_dir, depth, fio_size, block=block, direct=o_direct,
-                                                      jobs=n_streams, file_bytes=file_bytes))
-                requests[job].append(device.mean_kib(s0, device.sample()))
-                tick(1)
-            for variant, store in stores.items():
-                store.tier("shared").drop_cache()
-                s0 = device.sample()
-                cold_runs[variant].append(load_sessions(store, sessions, bufs, per_load[variant], tick, "cold load", "see the log"))
-                requests.setdefault(variant, []).append(device.mean_kib(s0, device.sample()))
+                if kind == "fio":
+                    # fio lays its files out before it reads: sampled around the whole
+                    # run, the requests are its reads' (writes are counted apart).
+                    depth, block, o_direct, n_streams, file_bytes = fio_jobs[what]
+                    fio_runs[what].append(fio_seq_read_run(fio_dir, depth, fio_size, block=block, direct=o_direct,
+                                                           jobs=n_streams, file_bytes=file_bytes))
+                    tick(1)
+                else:
+                    stores[what].tier("shared").drop_cache()
+                    cold_runs[what].append(load_sessions(stores[what], sessions, bufs, per_load[what], tick,
+                                                         "cold load", "see the log"))
+                requests.setdefault(what, []).append(device.mean_kib(s0, device.sample()))
         direct = {v: s.tier("shared").dir.direct_ok and fio_mode(v[1]) == "direct" for v, s in stores.items()}
         by_path = {v: {p: int(s.metrics.value("kvtier_read_path_loads_total", tier="shared", path=p))
                        for p in ("direct", "buffered")} for v, s in stores.items()}
