@@ -18,10 +18,10 @@ collapses 2 MiB ranges that lie wholly inside a mapping).
 
 That tail still costs a request: a 0.5B model's object (3 MiB + 4 KiB) is
 one huge page and 257 small ones, over 254 segments, so it goes as two
-requests (2 + 1 MiB), and in a probe such reads ran at 1.7-1.9 GB/s
-where whole-object requests ran at 2.5 (docs/benchmarks.md). ``whole=True`` maps whole huge
-pages (3 MiB + 4 KiB in 4 MiB): one request per object, at up to a third
-more memory per buffer. ``BufferPool`` gives such buffers only to O_DIRECT
+requests (2 + 1 MiB), and in a probe such reads ran at 1.7-1.9 GB/s where
+whole-object requests ran at 2.5 (docs/benchmarks.md). ``whole=True`` maps
+whole huge pages (3 MiB + 4 KiB in 4 MiB): one request per object, at up to
+a third more memory per buffer. ``BufferPool`` gives such buffers only to O_DIRECT
 reads of a store where no tier keeps the buffers it is handed (a
 process-local memory tier would hold them for long), and counts them at
 their whole size.

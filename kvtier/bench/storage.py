@@ -164,8 +164,8 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
         fio_jobs[OBJECT_FILES_JOB] = (1, "128k", False, streams, object_bytes)
     fio_runs: dict[str, list] = {j: [] for j in fio_jobs}
     device = DeviceReads(store_dir)
-    requests: dict = {k: [] for k in fio_jobs}  # mean request KiB per run, by fio job or cold variant
     variants = [(w, m) for m in cfg.read_modes for w in cfg.windows]
+    requests: dict = {k: [] for k in [*fio_jobs, *variants]}  # mean request KiB per run, by fio job or cold variant
     cold_runs: dict[tuple, list] = {v: [] for v in variants}
     per_load: dict[tuple, list[float]] = {v: [] for v in variants}
     stores = {
@@ -194,7 +194,7 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
                     stores[what].tier("shared").drop_cache()
                     cold_runs[what].append(load_sessions(stores[what], sessions, bufs, per_load[what], tick,
                                                          "cold load", "see the log"))
-                requests.setdefault(what, []).append(device.mean_kib(s0, device.sample()))
+                requests[what].append(device.mean_kib(s0, device.sample()))
         direct = {v: s.tier("shared").dir.direct_ok and fio_mode(v[1]) == "direct" for v, s in stores.items()}
         by_path = {v: {p: int(s.metrics.value("kvtier_read_path_loads_total", tier="shared", path=p))
                        for p in ("direct", "buffered")} for v, s in stores.items()}
