@@ -26,6 +26,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable, Iterator, Sequence
 
@@ -49,6 +50,13 @@ class AioStream:
     """Reads ``keys`` within a byte window with native AIO on one driver
     thread; yields the verified objects in key order, stopping at the first
     miss.
+
+    The driver opens up to ``ahead`` objects (and takes their buffers)
+    before the window has room for them, so that a read that lands is
+    replaced by one submit call rather than by an open and a submit: on a
+    disk that serves the reads in flight side by side, they land together,
+    and opening their successors only then left the device idle for 1-3 ms
+    of every window (measured in docs/benchmarks.md).
 
     An object larger than ``piece_bytes`` is read as several requests of
     about one size (a 3 MiB chunk goes whole; cutting it in 0.5-1 MiB pieces
@@ -79,6 +87,7 @@ class AioStream:
         depth: int = 256,
         refused: Callable[[], None] = lambda: None,
         path: str = "",
+        ahead: int = 2,
     ):
         self.path = path  # what the owner calls this way of reading (its accounting)
         self._keys = keys
@@ -90,6 +99,7 @@ class AioStream:
         self._window = window_bytes
         self._bpt = bytes_per_token
         self._piece = align_up(max(1, piece_bytes))
+        self._ahead = max(1, ahead)  # objects opened ahead of room in the window
         self._depth = max(_MAX_PIECES, depth)  # iocbs in flight: one object's pieces always fit
         self._cond = threading.Condition()
         self._results: dict[int, object] = {}  # index -> object, None (miss) or exception
@@ -120,52 +130,61 @@ class AioStream:
     def _run(self) -> None:
         ctx = AioContext(self._depth)
         pending: dict[int, _Read] = {}  # index -> read in flight
+        staged: deque[tuple[int, _Read, list]] = deque()  # opened, waiting for room in the window
         backlog: list[tuple[int, int, int, int, int]] = []  # pieces the kernel has not taken yet
         nxt, inflight = 0, 0
         try:
             while True:
                 with self._cond:
-                    submitting = self._consumed is None and nxt < self._end
+                    limit = self._end if self._consumed is None else min(self._end, self._consumed)
+                submitting = nxt < limit
+                while staged and staged[-1][0] >= limit:  # past a miss, or the consumer stopped
+                    staged.pop()[1].op.abandon(self._pool)
                 room = ctx.room - len(backlog)
-                while submitting and nxt < len(self._keys):
+                while True:
+                    # Into flight what was opened ahead, as far as the window
+                    # allows: a read that lands is replaced by one submit call,
+                    # not by an open on the driver's critical path.
+                    while staged and (not pending or inflight + staged[0][1].est <= self._window) \
+                            and len(staged[0][2]) <= room:
+                        i, r, pieces = staged.popleft()
+                        pending[i] = r
+                        addr = address(r.op.buf)
+                        backlog.extend((i * _MAX_PIECES + j, r.op.fd, addr + off, n, off) for j, (off, n) in enumerate(pieces))
+                        inflight += r.est
+                        room -= len(pieces)
+                    if not self._submit(ctx, backlog):
+                        break
+                    if not (submitting and nxt < len(self._keys) and len(staged) < self._ahead):
+                        break
                     key = self._keys[nxt]
                     est = max(1, key.num_tokens * self._bpt())
-                    if pending and inflight + est > self._window:
-                        break
                     t0 = time.perf_counter()
                     try:
                         op = self._begin(key)
                     except Exception as exc:
                         self._set(nxt, exc)
-                        break
+                        submitting = False
+                        continue
                     if op is None:
                         self._set(nxt, None)
-                        break
+                        submitting = False
+                        continue
                     n = min(_MAX_PIECES, -(-len(op.buf) // self._piece))
                     piece = align_up(-(-len(op.buf) // n))  # n pieces of (about) one size
                     pieces = _pieces(len(op.buf), piece)
-                    if not op.direct or len(pieces) > room:
+                    if not op.direct:
                         op.abandon(self._pool)
-                        if pending:
-                            break  # wait for room, or read it alone once the reads ahead of it landed
+                        if pending or staged:
+                            break  # read it alone once the reads ahead of it landed
                         self._set(nxt, self._sync(key))  # the file system refused O_DIRECT for it
                         nxt += 1
                         continue
-                    addr = address(op.buf)
-                    pending[nxt] = _Read(op, est, t0, piece, len(pieces))
-                    backlog.extend((nxt * _MAX_PIECES + j, op.fd, addr + off, n, off) for j, (off, n) in enumerate(pieces))
-                    inflight += est
-                    room -= len(pieces)
+                    staged.append((nxt, _Read(op, est, t0, piece, len(pieces)), pieces))
                     nxt += 1
-                    # Submitted at once, not once the window is full: the
-                    # first read of a load starts after one open, not after
-                    # a window's worth of them.
-                    if not self._submit(ctx, backlog):
-                        break
-                self._submit(ctx, backlog)
                 if not ctx.inflight:
                     with self._cond:
-                        if self._consumed is not None or nxt >= min(self._end, len(self._keys)):
+                        if not staged and (self._consumed is not None or nxt >= min(self._end, len(self._keys))):
                             return
                     continue
                 for rid, res in ctx.reap(1, _POLL_S):
@@ -200,6 +219,8 @@ class AioStream:
         finally:
             ctx.close()  # waits for every read still in flight: their buffers are free after
             for r in pending.values():
+                r.op.abandon(self._pool)
+            for _, r, _ in staged:
                 r.op.abandon(self._pool)
 
     def _verify(self, i: int, r: "_Read") -> None:

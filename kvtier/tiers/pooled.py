@@ -24,6 +24,12 @@ log = logging.getLogger(__name__)
 # What a read window assumes an object weighs per token before the tier has
 # read one (a tier learns the real figure from each object it reads).
 DEFAULT_BYTES_PER_TOKEN = 16 << 10
+# About how long one lookup job may spend checking keys one after the other.
+# A check that takes a round trip (a network mount, an object store) gets a
+# job of its own and all run in parallel; checks of a few microseconds (a
+# local file system, a warm metadata cache) share a job, so that a lookup
+# costs one hand-off to the pool, not one per key.
+LOOKUP_JOB_S = 500e-6
 
 
 class PooledTier(Tier):
@@ -52,6 +58,7 @@ class PooledTier(Tier):
     def __init__(self, config, metrics=None, breaker=None, pool=None):
         super().__init__(config, metrics, breaker, pool)
         self._bytes_per_token = DEFAULT_BYTES_PER_TOKEN
+        self._check_s: float | None = None  # seconds per existence check, smoothed (lookup jobs' sizing)
 
     @abc.abstractmethod
     def _exists(self, key: ChunkKey) -> bool:
@@ -80,14 +87,17 @@ class PooledTier(Tier):
             return 0
         t0 = time.perf_counter()
         deadline = None if timeout is None else t0 + timeout
-        futs = [self.executor.submit(LOAD, self._exists, k) for k in keys]
+        run = self._lookup_run()
+        runs = [keys[i : i + run] for i in range(0, len(keys), run)]
+        futs = [self.executor.submit(LOAD, self._leading_hits, r) for r in runs]
         n, ok = 0, True
         try:
-            for f in futs:
+            for f, r in zip(futs, runs):
                 remaining = None if deadline is None else max(0.0, deadline - time.perf_counter())
-                if not f.result(remaining):
+                hits = f.result(remaining)
+                n += hits
+                if hits < len(r):
                     break
-                n += 1
         except FutureTimeout:
             log.warning("tier %s: lookup timed out after %.1fs; treating as a miss", self.name, timeout)
             n, ok = 0, False
@@ -100,6 +110,27 @@ class PooledTier(Tier):
         self._guard(ok, "lookup")
         self.metrics.observe("lookup", time.perf_counter() - t0)
         return n
+
+    def _lookup_run(self) -> int:
+        """Keys per lookup job: one until the tier has timed its checks."""
+        per = self._check_s
+        return 1 if per is None else max(1, min(64, int(LOOKUP_JOB_S / max(per, 1e-7))))
+
+    def _leading_hits(self, keys: Sequence[ChunkKey]) -> int:
+        """Check ``keys`` in order on this thread (a pool job); how many lead
+        before the first miss. Times the checks for ``_lookup_run``."""
+        t0 = time.perf_counter()
+        hits = checks = 0
+        for k in keys:
+            checks += 1
+            if not self._exists(k):
+                break
+            hits += 1
+        per = (time.perf_counter() - t0) / checks if checks else None
+        if per is not None:
+            prev = self._check_s
+            self._check_s = per if prev is None else 0.8 * prev + 0.2 * per
+        return hits
 
     def fetch(self, keys: Sequence[ChunkKey], timeout: float | None = None) -> Iterator[ChunkObject]:
         if not keys:

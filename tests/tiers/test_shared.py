@@ -54,6 +54,35 @@ def _present(tier, keys):
     return [i for i, k in enumerate(keys) if tier.lookup([k])]
 
 
+# ---------------------------------------------------------------- lookup
+
+
+@pytest.mark.parametrize("check_s", [None, 1e-3, 150e-6, 1e-6])  # untimed, a round trip, a few per job, one job
+@pytest.mark.parametrize("missing", [None, 0, 3, 4, 11])
+def test_lookup_jobs_follow_the_checks_time_and_the_answer_does_not(open_shared, monkeypatch, check_s, missing):
+    tier = open_shared()
+    c = make_chunks(12)
+    tier.store(c.objs)
+    if missing is not None:
+        tier.delete([c.keys[missing]])
+    monkeypatch.setattr(tier, "_check_s", check_s)
+    jobs = []
+    submit = tier.executor.submit
+    monkeypatch.setattr(tier.executor, "submit", lambda prio, fn, *a: jobs.append(a) or submit(prio, fn, *a))
+    assert tier.lookup(c.keys) == (12 if missing is None else missing)
+    run = {None: 1, 1e-3: 1, 150e-6: 3, 1e-6: 12}[check_s]
+    assert [len(a[0]) for a in jobs] == [min(run, 12 - i) for i in range(0, 12, run)]
+
+
+def test_lookup_times_its_checks(open_shared):
+    tier = open_shared()
+    c = make_chunks(4)
+    tier.store(c.objs)
+    assert tier._check_s is None
+    assert tier.lookup(c.keys) == 4
+    assert tier._check_s is not None and 0 < tier._check_s < 1.0
+
+
 # ---------------------------------------------------------------- verification
 
 
