@@ -21,6 +21,7 @@ import ctypes
 import errno
 import os
 import platform
+import threading
 
 IOCB_CMD_PREAD = 0
 
@@ -155,12 +156,54 @@ class AioContext:
     def inflight(self) -> int:
         return len(self._slot_of)
 
-    def close(self) -> None:
-        """Wait for every read in flight, then free the context (after this
-        no buffer a read was given is written to any more)."""
-        if self._closed:
-            return
+    def drain(self) -> None:
+        """Wait for every read in flight (after this no buffer a read was
+        given is written to any more, and no completion is left to reap)."""
         while self._slot_of:
             self.reap(1, None)
+
+    def close(self) -> None:
+        """``drain``, then free the context."""
+        if self._closed:
+            return
+        self.drain()
         self._closed = True
         _syscall(ctypes.c_long(_NR["destroy"]), self._ctx)
+
+
+class ContextPool:
+    """Contexts kept for the next loads: a load's driver takes one and gives
+    it back drained. Making one per load costs an ``io_setup``, and freeing it
+    an ``io_destroy``, which waits for an RCU grace period (10-40 ms here) on
+    the driver's pool thread. Thread-safe."""
+
+    def __init__(self, depth: int = 256, keep: int = 4):
+        self.depth, self.keep = depth, keep
+        self._free: list[AioContext] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self._pid = os.getpid()
+
+    def take(self) -> AioContext:
+        with self._lock:
+            if self._pid != os.getpid():  # a forked child: the parent's contexts are not its own
+                self._free, self._pid = [], os.getpid()
+            if self._free:
+                return self._free.pop()
+        return AioContext(self.depth)
+
+    def give(self, ctx: AioContext) -> None:
+        """Take ``ctx`` back once its reads landed (waits for them)."""
+        ctx.drain()
+        with self._lock:
+            if not self._closed and len(self._free) < self.keep:
+                self._free.append(ctx)
+                return
+        ctx.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            free, self._free = self._free, []
+        for ctx in free:
+            ctx.close()

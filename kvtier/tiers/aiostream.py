@@ -34,7 +34,7 @@ from kvtier.buffers import address, align_up
 from kvtier.codec import ChunkObject
 from kvtier.engine.executor import LOAD, PriorityExecutor
 from kvtier.keys import ChunkKey
-from kvtier.tiers.aio import AioContext
+from kvtier.tiers.aio import AioContext, ContextPool
 from kvtier.tiers.files import OpenRead
 
 log = logging.getLogger(__name__)
@@ -88,6 +88,7 @@ class AioStream:
         refused: Callable[[], None] = lambda: None,
         path: str = "",
         ahead: int = 2,
+        contexts: ContextPool | None = None,
     ):
         self.path = path  # what the owner calls this way of reading (its accounting)
         self._keys = keys
@@ -99,6 +100,7 @@ class AioStream:
         self._window = window_bytes
         self._bpt = bytes_per_token
         self._piece = align_up(max(1, piece_bytes))
+        self._contexts = contexts  # AIO contexts to reuse (None: one of its own, freed at the end)
         self._ahead = max(1, ahead)  # objects opened ahead of room in the window
         self._depth = max(_MAX_PIECES, depth)  # iocbs in flight: one object's pieces always fit
         self._cond = threading.Condition()
@@ -128,7 +130,7 @@ class AioStream:
                 self._cond.notify_all()
 
     def _run(self) -> None:
-        ctx = AioContext(self._depth)
+        ctx = self._contexts.take() if self._contexts is not None else AioContext(self._depth)
         pending: dict[int, _Read] = {}  # index -> read in flight
         staged: deque[tuple[int, _Read, list]] = deque()  # opened, waiting for room in the window
         backlog: list[tuple[int, int, int, int, int]] = []  # pieces the kernel has not taken yet
@@ -217,7 +219,11 @@ class AioStream:
                         except RuntimeError:  # the tier is closing: verify here
                             self._verify(i, r)
         finally:
-            ctx.close()  # waits for every read still in flight: their buffers are free after
+            # Both wait for every read still in flight: their buffers are free after.
+            if self._contexts is not None:
+                self._contexts.give(ctx)
+            else:
+                ctx.close()
             for r in pending.values():
                 r.op.abandon(self._pool)
             for _, r, _ in staged:

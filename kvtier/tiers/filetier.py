@@ -46,8 +46,10 @@ class FileTierConfig:
                          "`kvtier bench storage` measures both on your storage; file systems that refuse O_DIRECT "
                          "are read buffered anyway)")
     cold_reads: bool = opt(False, "drop each object from the page cache after reading it (benchmarks)")
-    read_window_bytes: int = size_field(128 << 20, "bytes of reads in flight per load (O_DIRECT reads want a "
-                                        "deep queue: a whole 8k-token session of a 0.5B model at once)")
+    read_window_bytes: int = size_field(32 << 20, "bytes of reads in flight per load (a window of reads lands "
+                                        "together; a smaller one lets the next window's reads overlap the last "
+                                        "one's checks and copies; raise it on storage whose bandwidth x latency "
+                                        "is larger: `kvtier bench storage --windows` measures it)")
     io_threads: int = opt(16, "threads of this tier's I/O pool", ge=1)
     aio: bool = opt(True, "with o_direct: issue a load's reads with Linux native AIO from one driver thread, "
                     "each landed object verified on the pool (false: one pool thread per blocking read; where the "
@@ -77,6 +79,7 @@ class FileTier(PooledTier):
         super().__init__(config, metrics, breaker, pool)
         self.dir = ObjectDir(config.path, f"{self.name}.path")
         self.executor = PriorityExecutor(self.name, config.io_threads)
+        self._aio_contexts = aio.ContextPool()  # reused by the loads' AIO drivers
         self._aio_ok = True  # false once the kernel refused this directory's AIO reads
         self._paths = ReadPathChooser()  # adaptive_reads: O_DIRECT or buffered, per load
 
@@ -126,7 +129,7 @@ class FileTier(PooledTier):
         window, bpt = self.config.read_window_bytes, lambda: self._bytes_per_token
         if path == DIRECT and self.config.aio and self._aio_ok and aio.available():
             return AioStream(self.executor, keys, self._begin_read, self._finish_read, self._read_one, self.pool,
-                             window, bpt, refused=self._refuse_aio, path=path)
+                             window, bpt, refused=self._refuse_aio, path=path, contexts=self._aio_contexts)
         read = functools.partial(self._read_one, direct=path == DIRECT)
         return ReadStream(self.executor, keys, read, window, bpt, path=path)
 
@@ -229,3 +232,4 @@ class FileTier(PooledTier):
 
     def close(self) -> None:
         self.executor.close()
+        self._aio_contexts.close()

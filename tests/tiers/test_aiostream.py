@@ -201,3 +201,25 @@ def test_a_driver_that_cannot_start_fails_the_load_and_the_request_recomputes(op
     assert list(stream.iter(5.0)) == []
     assert isinstance(stream.failed, OSError)
     assert pool.allocated == 0
+
+
+def test_loads_reuse_their_aio_contexts_and_the_tier_frees_them(open_tier, monkeypatch):
+    made = []
+    init = aio.AioContext.__init__
+
+    def counting_init(self, depth):
+        init(self, depth)
+        made.append(self)
+
+    monkeypatch.setattr(aio.AioContext, "__init__", counting_init)
+    tier = open_tier()
+    c = make_chunks(12)
+    tier.store(c.objs)
+    for _ in range(5):  # one after the other: each driver gives its context back before the next takes one
+        assert _payloads(tier, c.keys) == c.payloads
+        end = time.monotonic() + 5
+        while not tier._aio_contexts._free and time.monotonic() < end:
+            time.sleep(0.005)
+    assert len(made) == 1 and made[0].inflight == 0
+    tier.close()
+    assert made[0]._closed
