@@ -146,6 +146,7 @@ def _resume_parser(bsub) -> None:
             "  kvtier-shared-aio            the same, O_DIRECT through native AIO (the default, spelled out)\n"
             "  kvtier-shared-4k             the default path with its read buffers on 4 KiB pages\n"
             "                               (huge_pages: false)\n"
+            "  kvtier-shared-w128           the default path with a 128 MiB read window (the default is 32 MiB)\n"
             "  example                      vLLM's ExampleConnector, cold reads (the peer baseline)\n"
             "  kvtier-local-disk            w3: a disk tier per instance\n"
             "  kvtier-throttled             the shared tier on a FUSE mount read at --throttle bytes/s\n"
