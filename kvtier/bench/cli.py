@@ -67,7 +67,7 @@ def _storage_parser(bsub) -> None:
     bs.add_argument("--model", default="qwen2.5-0.5b", help="KV shape preset (default qwen2.5-0.5b: 24 layers, 2 KV heads, head dim 64, bf16)")
     bs.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk (default 256)")
     bs.add_argument("--session-chunks", type=int, default=32, help="chunks per load call, i.e. one resumed session (default 32 = 8k tokens)")
-    bs.add_argument("--windows", type=argtypes.sizes, default=(16 << 20, 32 << 20, 128 << 20), help="read windows to try, comma-separated (default 16MiB,32MiB,128MiB; the tiers' default is 32MiB)")
+    bs.add_argument("--windows", type=argtypes.sizes, default=(16 << 20, 32 << 20, 128 << 20), help="read windows to try, comma-separated (default 16MiB,32MiB,128MiB; the tiers' default is 128MiB)")
     bs.add_argument("--fio-depths", type=argtypes.ints, default=(1, 8, 32), help="fio queue depths (default 1,8,32)")
     bs.add_argument("--read-modes", type=_read_modes, default=("direct-aio", "buffered"),
                     help="kvtier read modes to measure, comma-separated: direct-aio (the file tiers' default: O_DIRECT "
@@ -146,7 +146,7 @@ def _resume_parser(bsub) -> None:
             "  kvtier-shared-aio            the same, O_DIRECT through native AIO (the default, spelled out)\n"
             "  kvtier-shared-4k             the default path with its read buffers on 4 KiB pages\n"
             "                               (huge_pages: false)\n"
-            "  kvtier-shared-w128           the default path with a 128 MiB read window (the default is 32 MiB)\n"
+            "  kvtier-shared-w32            the default path with a 32 MiB read window (the default is 128 MiB)\n"
             "  example                      vLLM's ExampleConnector, cold reads (the peer baseline)\n"
             "  kvtier-local-disk            w3: a disk tier per instance\n"
             "  kvtier-throttled             the shared tier on a FUSE mount read at --throttle bytes/s\n"

@@ -155,19 +155,19 @@ def test_the_4k_configuration_reads_the_default_path_into_buffers_on_small_pages
         [{k: v for k, v in t.items() if k != "path"} for t in specs["kvtier-shared"]["kvtier"]["tiers"]]
 
 
-def test_the_w128_configuration_is_the_shared_tier_with_the_old_read_window(tmp_path):
+def test_the_w32_configuration_is_the_shared_tier_with_a_smaller_read_window(tmp_path):
     from kvtier.bench import resume, workloads
     from kvtier.config import load_config
     from kvtier.integrations.vllm.settings import CONNECTOR_KEYS
 
-    cfg = resume.ResumeConfig(workdir=tmp_path, configs=("kvtier-shared", "kvtier-shared-w128"))
+    cfg = resume.ResumeConfig(workdir=tmp_path, configs=("kvtier-shared", "kvtier-shared-w32"))
     work = workloads.w1(2, 512, 100)
     specs = {n: resume._spec(cfg, n, "512", work, tmp_path, 0, None) for n in cfg.configs}
     tiers = {n: load_config(None, {k: v for k, v in s["kvtier"].items() if k not in CONNECTOR_KEYS},
                             environ={}).tiers[0].config for n, s in specs.items()}
-    assert tiers["kvtier-shared"].read_window_bytes == 32 << 20
-    assert tiers["kvtier-shared-w128"].read_window_bytes == 128 << 20
-    assert specs["kvtier-shared-w128"]["cold"] == {"drop_page_cache": True}
+    assert tiers["kvtier-shared"].read_window_bytes == 128 << 20
+    assert tiers["kvtier-shared-w32"].read_window_bytes == 32 << 20
+    assert specs["kvtier-shared-w32"]["cold"] == {"drop_page_cache": True}
 
 
 def test_warmup_runs_the_first_configuration_once_unmeasured_before_the_rounds(tmp_path, monkeypatch):
