@@ -55,6 +55,20 @@ def place_io_threads(cpus: Iterable[int] | None) -> None:
                 pass
 
 
+def usable_cpus() -> int:
+    """How many CPUs kvtier's threads of this process may run on: the
+    placement's, else the process's affinity (a container's cpuset), else
+    the machine's count."""
+    with _placement_lock:
+        cpus = _io_cpus
+    if cpus is not None:
+        return max(1, len(cpus))
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
 def _start_placed() -> None:
     """At the start of an executor thread: go where the placement says."""
     with _placement_lock:

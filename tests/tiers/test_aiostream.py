@@ -186,8 +186,6 @@ def test_objects_read_in_pieces_arrive_whole_and_a_cut_file_is_caught(open_tier,
 def test_a_driver_that_cannot_start_fails_the_load_and_the_request_recomputes(open_tier, monkeypatch):
     """io_setup refused (the system's AIO request limit reached): the load
     ends as failed, nothing is handed out, and nothing leaks."""
-    from kvtier.tiers import aiostream
-
     def refuse(depth):
         raise OSError(11, "io_setup: Resource temporarily unavailable")
 
@@ -195,7 +193,7 @@ def test_a_driver_that_cannot_start_fails_the_load_and_the_request_recomputes(op
     tier = open_tier(pool=pool)
     c = make_chunks(4)
     tier.store(c.objs)
-    monkeypatch.setattr(aiostream, "AioContext", refuse)
+    monkeypatch.setattr(aio, "AioContext", refuse)  # where the stream's own context pool makes them
     stream = AioStream(tier.executor, c.keys, tier._begin_read, tier._finish_read, tier._read_one, pool,
                        4 * OBJ, lambda: tier._bytes_per_token)
     assert list(stream.iter(5.0)) == []
@@ -223,3 +221,61 @@ def test_loads_reuse_their_aio_contexts_and_the_tier_frees_them(open_tier, monke
     assert len(made) == 1 and made[0].inflight == 0
     tier.close()
     assert made[0]._closed
+
+
+def _held_stream(tier, c, verifiers):
+    """A stream over every object at once whose verifications all wait at a
+    gate; returns it, the gate, the indices in the order verification
+    started, and the peak of verifications running together."""
+    gate, lock = threading.Event(), threading.Lock()
+    started, running, peak = [], [0], [0]
+
+    def finish(key, op, got, t0):
+        with lock:
+            started.append(c.keys.index(key))
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        gate.wait(10)
+        try:
+            return tier._finish_read(key, op, got, t0)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    stream = AioStream(tier.executor, c.keys, tier._begin_read, finish, tier._read_one, tier.pool,
+                       64 * OBJ, lambda: tier._bytes_per_token, verifiers=verifiers)
+    end = time.monotonic() + 10
+    while stream._verifying < len(c.keys) and time.monotonic() < end:  # every read landed
+        time.sleep(0.005)
+    assert stream._verifying == len(c.keys)
+    return stream, gate, started, peak
+
+
+def test_landed_reads_are_verified_lowest_index_first(open_tier):
+    """Reads land together (a window in flight at once): the consumer's next
+    object is verified first, not whichever landed first."""
+    tier = open_tier()
+    c = make_chunks(12)
+    tier.store(c.objs)
+    stream, gate, started, peak = _held_stream(tier, c, verifiers=1)
+    assert len(started) == 1  # one job, held with the one object it took
+    gate.set()
+    got = []
+    for obj in stream.iter(10.0):
+        got.append(bytes(obj.payload))
+        obj.release()
+    assert got == c.payloads
+    assert started[1:] == sorted(started[1:]) and sorted(started) == list(range(12))
+    assert peak[0] == 1
+
+
+def test_verifications_run_side_by_side_up_to_the_bound(open_tier):
+    tier = open_tier()
+    c = make_chunks(12)
+    tier.store(c.objs)
+    stream, gate, started, peak = _held_stream(tier, c, verifiers=3)
+    time.sleep(0.05)  # were a job per object started, more would be waiting at the gate by now
+    assert peak[0] == 3
+    gate.set()
+    assert [bytes(o.payload) for o in stream.iter(10.0)] == c.payloads
+    assert peak[0] == 3
