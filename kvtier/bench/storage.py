@@ -54,6 +54,7 @@ from kvtier.bench.storage_common import (
     summarize,
 )
 from kvtier.progress import Progress, silent
+from kvtier.tiers.readtrace import ReadTrace
 from kvtier.tiers.shared import SharedConfig, SharedTier
 from kvtier.version import __version__
 
@@ -63,6 +64,8 @@ __all__ = ["GiB", "MiB", "READ_MODES", "StorageBenchConfig", "StorageBenchError"
 
 # fio's buffered job over files of kvtier's object size.
 OBJECT_FILES_JOB = "buffered-128k-object-files"
+# Read modes whose loads go through the AIO driver (their reads are traced).
+AIO_MODES = ("direct-aio", "direct-aio-4k")
 
 
 def _shared_spec(path: Path, capacity: int, window: int, threads: int, mode: str = "direct") -> TierSpec:
@@ -173,6 +176,10 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
                                         huge_pages=m != "direct-aio-4k"))
         for w, m in variants
     }
+    # Where the AIO path's loads had nothing in flight (start, between reads, tail).
+    traces = {v: ReadTrace() for v in variants if v[1] in AIO_MODES}
+    for v, tr in traces.items():
+        stores[v].tier("shared").read_trace = tr
     tick = progress("fio + cold loads", cfg.repeats * (len(fio_jobs) + len(variants) * len(sessions)))
     try:
         # Each repeat runs every measurement, fio's and kvtier's, in the order
@@ -193,7 +200,7 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
                 else:
                     stores[what].tier("shared").drop_cache()
                     cold_runs[what].append(load_sessions(stores[what], sessions, bufs, per_load[what], tick,
-                                                         "cold load", "see the log"))
+                                                         "cold load", "see the log", traces.get(what)))
                 requests[what].append(device.mean_kib(s0, device.sample()))
         direct = {v: s.tier("shared").dir.direct_ok and fio_mode(v[1]) == "direct" for v, s in stores.items()}
         by_path = {v: {p: int(s.metrics.value("kvtier_read_path_loads_total", tier="shared", path=p))
@@ -222,6 +229,7 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
             "runs_cpu_s_per_gb": [p.cpu_s_per_gb for p in cold_runs[w, m]],
             "cpu_s_per_gb": median([p.cpu_s_per_gb for p in cold_runs[w, m]]),
             "request_kib": _median_or_none(requests[w, m]),
+            **({"idle_ms": _idle_ms(traces[w, m])} if (w, m) in traces else {}),
         }
         for w, m in variants
     }
@@ -243,6 +251,16 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
     result.update(_cpu_floor(result))
     result["seconds"] = time.perf_counter() - t_start
     return result
+
+
+def _idle_ms(trace: ReadTrace) -> dict | None:
+    """Medians over a variant's loads of their time with no read in flight,
+    by part, and of their wall time (ms)."""
+    loads = trace.loads()
+    if not loads:
+        return None
+    return {part: 1e3 * median([getattr(x, f"{part}_s") for x in loads])
+            for part in ("load", "start", "between", "tail")}
 
 
 def _cpu_floor(r: dict) -> dict:
@@ -337,6 +355,12 @@ def format_table(r: dict) -> str:
         lines.append(f"  auto: loads read O_DIRECT/buffered, by window: {', '.join(auto)}")
     if any(v.get("request_kib") for v in [*r["fio"].values(), *r["cold"].values()]):
         lines.append("  request: the mean read request the block device completed during the run")
+    idle = [(w, v["idle_ms"]) for w, v in r["cold"].items() if v.get("idle_ms")]
+    if idle:
+        lines.append("  nothing in flight during a load (medians, ms): at its start / between reads / after its last "
+                     "read, of the load")
+        for w, i in idle:
+            lines.append(f"    {w:<40}{i['start']:>6.1f} /{i['between']:>6.1f} /{i['tail']:>6.1f}   of {i['load']:.1f}")
     lines.append(f"{'memcpy (same bytes)':<44}{r['memcpy_gbps']:>8.2f}")
     lines.append(
         f"{'kvtier memory-tier load':<44}{r['memory_load_gbps']:>8.2f}  {r['memory_vs_memcpy']:>9.2f} x memcpy"

@@ -29,6 +29,7 @@ from kvtier.bench.fio import FioRead
 from kvtier.bench.models import ModelShape
 from kvtier.progress import Progress
 from kvtier.tiers.memory import MemoryConfig
+from kvtier.tiers.readtrace import BEGIN, END, ReadTrace
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -177,14 +178,19 @@ def summarize(passes: Sequence[LoadPass | FioRead]) -> dict:
     }
 
 
-def load_sessions(store: TieredStore, sessions, bufs, per_load: list[float], tick, what: str, where: str) -> LoadPass:
+def load_sessions(store: TieredStore, sessions, bufs, per_load: list[float], tick, what: str, where: str,
+                  trace: ReadTrace | None = None) -> LoadPass:
     """Load every session once through ``store``, as an engine would; append
-    each load's seconds to ``per_load``."""
+    each load's seconds to ``per_load``; mark each load in ``trace``."""
     nbytes = 0
     c0, t0 = cpu_seconds(), time.perf_counter()
     for keys in sessions:
         s0 = time.perf_counter()
+        if trace is not None:
+            trace.mark(BEGIN)
         n = store.load(keys, bufs[: len(keys)])
+        if trace is not None:
+            trace.mark(END)
         per_load.append(time.perf_counter() - s0)
         if n != len(keys):
             raise StorageBenchError(f"{what} served {n} of {len(keys)} chunks: storage trouble, {where}")

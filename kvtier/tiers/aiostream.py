@@ -37,6 +37,7 @@ from kvtier.engine.executor import LOAD, PriorityExecutor, usable_cpus
 from kvtier.keys import ChunkKey
 from kvtier.tiers.aio import AioContext, ContextPool
 from kvtier.tiers.files import OpenRead
+from kvtier.tiers.readtrace import ReadTrace
 
 log = logging.getLogger(__name__)
 
@@ -90,9 +91,11 @@ class AioStream:
         ahead: int = 2,
         contexts: ContextPool | None = None,
         verifiers: int | None = None,
+        trace: ReadTrace | None = None,
     ):
         self.path = path  # what the owner calls this way of reading (its accounting)
         self._keys = keys
+        self._trace = trace  # a benchmark's record of when reads were in flight (None in service)
         self._refused = refused
         self._begin = begin
         self._finish = finish
@@ -167,7 +170,7 @@ class AioStream:
                         backlog.extend((i * _MAX_PIECES + j, r.op.fd, addr + off, n, off) for j, (off, n) in enumerate(pieces))
                         inflight += r.est
                         room -= len(pieces)
-                    if not self._submit(ctx, backlog):
+                    if not self._submit(ctx, backlog, self._trace):
                         break
                     if not (submitting and nxt < len(self._keys) and len(staged) < self._ahead):
                         break
@@ -201,8 +204,10 @@ class AioStream:
                         if not staged and (self._consumed is not None or nxt >= min(self._end, len(self._keys))):
                             return
                     continue
-                landed = []
-                for rid, res in ctx.reap(1, _POLL_S):
+                landed, reaped = [], ctx.reap(1, _POLL_S)
+                if self._trace is not None and reaped:
+                    self._trace.io(-len(reaped))
+                for rid, res in reaped:
                     i, j = divmod(rid, _MAX_PIECES)
                     r = pending[i]
                     r.results[j] = res
@@ -276,7 +281,7 @@ class AioStream:
                 self._cond.notify_all()
 
     @staticmethod
-    def _submit(ctx: AioContext, backlog: list) -> bool:
+    def _submit(ctx: AioContext, backlog: list, trace: ReadTrace | None) -> bool:
         """Hand the backlog to the kernel; False if it kept some back (it is
         short of requests: they go again once reads in flight landed)."""
         if not backlog:
@@ -287,6 +292,8 @@ class AioStream:
             if not ctx.inflight:
                 raise
             took = 0
+        if trace is not None and took:
+            trace.io(took)
         del backlog[:took]
         return not backlog
 

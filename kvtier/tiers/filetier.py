@@ -29,6 +29,7 @@ from kvtier.tiers.aiostream import AioStream
 from kvtier.tiers.files import ObjectDir, OpenRead
 from kvtier.tiers.pooled import PooledTier
 from kvtier.tiers.readpath import BUFFERED, DIRECT, ReadPathChooser
+from kvtier.tiers.readtrace import ReadTrace
 from kvtier.tiers.readstream import ReadStream
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,9 @@ class FileTier(PooledTier):
         self._aio_contexts = aio.ContextPool()  # reused by the loads' AIO drivers
         self._aio_ok = True  # false once the kernel refused this directory's AIO reads
         self._paths = ReadPathChooser()  # adaptive_reads: O_DIRECT or buffered, per load
+        # A benchmark's record of when this tier's AIO reads were in flight
+        # (kvtier bench storage sets it); None in service.
+        self.read_trace: ReadTrace | None = None
 
     # ------------------------------------------------------------ hooks
     def _admit(self, key: ChunkKey, obj: ChunkObject) -> bool:
@@ -128,7 +132,8 @@ class FileTier(PooledTier):
         window, bpt = self.config.read_window_bytes, lambda: self._bytes_per_token
         if path == DIRECT and self.config.aio and self._aio_ok and aio.available():
             return AioStream(self.executor, keys, self._begin_read, self._finish_read, self._read_one, self.pool,
-                             window, bpt, refused=self._refuse_aio, path=path, contexts=self._aio_contexts)
+                             window, bpt, refused=self._refuse_aio, path=path, contexts=self._aio_contexts,
+                             trace=self.read_trace)
         read = functools.partial(self._read_one, direct=path == DIRECT)
         return ReadStream(self.executor, keys, read, window, bpt, path=path)
 

@@ -92,6 +92,15 @@ def test_bench_storage_cli_writes_table_and_json(tmp_path):
     assert r["cpu_floor_s_per_gb"] == pytest.approx(r["copy_cpu_s_per_gb"] + r["checksum_cpu_s_per_gb"])
     assert r["cpu_machinery_s_per_gb"] == pytest.approx(max(0.0, r["cold_cpu_s_per_gb"] - r["cpu_floor_s_per_gb"]))
     assert "the read machinery" in proc.stdout
+    # Where the AIO path's loads had nothing in flight, and only for it.
+    for label, v in r["cold"].items():
+        if v["read_mode"] in ("direct-aio", "direct-aio-4k"):
+            idle = v["idle_ms"]
+            assert idle["load"] > 0 and min(idle.values()) >= 0
+            assert idle["start"] + idle["between"] + idle["tail"] <= idle["load"] * 1.001, label
+        else:
+            assert "idle_ms" not in v, label
+    assert "nothing in flight during a load" in proc.stdout
     assert not list((tmp_path / "d" / "fio").iterdir()), "fio's files must be removed"
 
     # A rerun reuses the objects already written (check-before-write).

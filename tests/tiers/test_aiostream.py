@@ -279,3 +279,19 @@ def test_verifications_run_side_by_side_up_to_the_bound(open_tier):
     gate.set()
     assert [bytes(o.payload) for o in stream.iter(10.0)] == c.payloads
     assert peak[0] == 3
+
+
+def test_a_traced_load_records_every_read_it_submitted_landing(open_tier):
+    from kvtier.tiers.readtrace import BEGIN, END, ReadTrace
+
+    tier = open_tier()
+    c = make_chunks(10)
+    tier.store(c.objs)
+    tier.read_trace = trace = ReadTrace()
+    trace.mark(BEGIN)
+    assert _payloads(tier, c.keys) == c.payloads
+    trace.mark(END)
+    ios = [d for _, kind, d in trace._events if kind == "io"]
+    assert sum(d for d in ios if d > 0) >= 10 and sum(ios) == 0  # every piece submitted landed
+    (load,) = trace.loads()
+    assert 0 <= load.start_s + load.between_s + load.tail_s <= load.load_s
