@@ -48,7 +48,7 @@ class FileTierConfig:
                          "are read buffered anyway)")
     cold_reads: bool = opt(False, "drop each object from the page cache after reading it (benchmarks)")
     read_window_bytes: int = size_field(128 << 20, "bytes of reads in flight per load (in vLLM on this project's "
-                                        "disk 128 MiB read 9-15 % faster than 32 MiB at 16k tokens, though "
+                                        "disk 32 and 128 MiB showed no consistent difference in 8 comparisons; "
                                         "`kvtier bench storage --windows` favoured 32 MiB: measure both)")
     io_threads: int = opt(16, "threads of this tier's I/O pool", ge=1)
     aio: bool = opt(True, "with o_direct: issue a load's reads with Linux native AIO from one driver thread, "
