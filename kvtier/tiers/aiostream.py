@@ -37,6 +37,7 @@ from kvtier.engine.executor import LOAD, PriorityExecutor, usable_cpus
 from kvtier.keys import ChunkKey
 from kvtier.tiers.aio import AioContext, ContextPool
 from kvtier.tiers.files import OpenRead
+from kvtier.tiers.readstream import MIN_INFLIGHT
 from kvtier.tiers.readtrace import ReadTrace
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,8 @@ class AioStream:
     thread; yields the verified objects in key order, stopping at the first
     miss.
 
-    The driver opens up to ``ahead`` objects (and takes their buffers)
+    At least ``MIN_INFLIGHT`` objects are in flight, however small the
+    window. The driver opens up to ``ahead`` objects (and takes their buffers)
     before the window has room for them, so that a read that lands is
     replaced by one submit call rather than by an open and a submit: on a
     disk that serves the reads in flight side by side, they land together,
@@ -162,7 +164,7 @@ class AioStream:
                     # Into flight what was opened ahead, as far as the window
                     # allows: a read that lands is replaced by one submit call,
                     # not by an open on the driver's critical path.
-                    while staged and (not pending or inflight + staged[0][1].est <= self._window) \
+                    while staged and (len(pending) < MIN_INFLIGHT or inflight + staged[0][1].est <= self._window) \
                             and len(staged[0][2]) <= room:
                         i, r, pieces = staged.popleft()
                         pending[i] = r

@@ -47,9 +47,10 @@ class FileTierConfig:
                          "`kvtier bench storage` measures both on your storage; file systems that refuse O_DIRECT "
                          "are read buffered anyway)")
     cold_reads: bool = opt(False, "drop each object from the page cache after reading it (benchmarks)")
-    read_window_bytes: int = size_field(128 << 20, "bytes of reads in flight per load (in vLLM on this project's "
-                                        "disk 32 and 128 MiB showed no consistent difference in 8 comparisons; "
-                                        "`kvtier bench storage --windows` favoured 32 MiB: measure both)")
+    read_window_bytes: int = size_field(128 << 20, "bytes of reads in flight per load, two objects at least (in "
+                                        "vLLM on this project's disk 16, 32 and 128 MiB showed no consistent "
+                                        "difference; outside it `kvtier bench storage --windows` favoured 16-32 MiB: "
+                                        "measure on your storage)")
     io_threads: int = opt(16, "threads of this tier's I/O pool", ge=1)
     aio: bool = opt(True, "with o_direct: issue a load's reads with Linux native AIO from one driver thread, "
                     "each landed object verified on the pool (false: one pool thread per blocking read; where the "

@@ -17,6 +17,12 @@ from kvtier.codec import ChunkObject
 from kvtier.engine.executor import LOAD, PriorityExecutor
 from kvtier.keys import ChunkKey
 
+# Reads in flight whatever the window: with one, the device idles while each
+# object is verified and the next read submitted, and objects larger than half
+# the window (a 7B model's 14 MiB chunk under a 16 MiB window) are read one at
+# a time (measured in docs/benchmarks.md).
+MIN_INFLIGHT = 2
+
 
 class ReadStream:
     """Reads ``keys`` in parallel within a byte budget and yields the verified
@@ -46,29 +52,32 @@ class ReadStream:
         self._lock = threading.Condition()
         self._futs: list[Future | None] = [None] * len(keys)
         self._next = 0
-        self._inflight = 0
+        self._inflight = 0  # estimated bytes of the reads in flight
+        self._reads = 0  # reads in flight
         self._stopped = False
         self.failed: BaseException | None = None  # error or timeout that ended the stream
         with self._lock:
             self._fill()
 
     def _fill(self) -> None:
-        # Lock held. Submit reads while the window has room (one always fits).
+        # Lock held. Submit reads while the window has room (MIN_INFLIGHT always fit).
         while not self._stopped and self._next < len(self._keys):
             key = self._keys[self._next]
             est = max(1, key.num_tokens * self._bpt())
-            if self._inflight and self._inflight + est > self._window:
+            if self._reads >= MIN_INFLIGHT and self._inflight + est > self._window:
                 return
             fut = self._executor.submit(LOAD, self._read_one, key)
             self._futs[self._next] = fut
             self._next += 1
             self._inflight += est
+            self._reads += 1
             fut.add_done_callback(lambda _f, est=est: self._done(est))
             self._lock.notify_all()
 
     def _done(self, est: int) -> None:
         with self._lock:
             self._inflight -= est
+            self._reads -= 1
             self._fill()
 
     def stop(self, consumed: int = 0) -> None:

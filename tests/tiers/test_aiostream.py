@@ -295,3 +295,22 @@ def test_a_traced_load_records_every_read_it_submitted_landing(open_tier):
     assert sum(d for d in ios if d > 0) >= 10 and sum(ios) == 0  # every piece submitted landed
     (load,) = trace.loads()
     assert 0 <= load.start_s + load.between_s + load.tail_s <= load.load_s
+
+
+def test_a_window_smaller_than_an_object_keeps_two_reads_in_flight(open_tier):
+    """However small the window, two objects are in flight: with one, each
+    read would wait for the one before it to land."""
+    from kvtier.tiers.readstream import MIN_INFLIGHT
+    from kvtier.tiers.readtrace import ReadTrace
+
+    tier = open_tier(read_window_bytes=OBJ // 2)
+    c = make_chunks(8)
+    tier.store(c.objs)
+    tier.read_trace = trace = ReadTrace()
+    assert _payloads(tier, c.keys) == c.payloads
+    running, peak = 0, 0
+    for _, kind, d in trace._events:
+        if kind == "io":
+            running += d
+            peak = max(peak, running)
+    assert peak == MIN_INFLIGHT == 2  # one piece per object: no more than the floor either
