@@ -29,7 +29,7 @@ from kvtier.errors import ConfigError
 from kvtier.keys import ChunkKey
 from kvtier.metrics import Metrics
 from kvtier.tiers import registry
-from kvtier.tiers.base import Tier, TierStats
+from kvtier.tiers.base import FetchInto, Tier, TierStats
 
 log = logging.getLogger(__name__)
 
@@ -126,16 +126,34 @@ class TieredStore:
         What lower tiers return goes into the memory tier once the consumer
         is done with it, if ``promote`` (default: the store's setting).
         """
+        return self._fetch(keys, plan, promote)
+
+    def _fetch(self, keys: Sequence[ChunkKey], plan: Lookup | None, promote: bool | None,
+               into: Sequence[memoryview] | None = None) -> Iterator[ChunkObject]:
+        """``fetch``; with ``into``, each object's payload is in its buffer
+        of ``into`` when it is yielded (a buffer of another size ends it),
+        copied where the tier verifies it if the tier can (``fetch_into``),
+        else here."""
         plan = plan if plan is not None else self.lookup(keys)
         promote = self.config.promote if promote is None else promote
-        streams = [
-            (self._by_name[s.tier], s.stop - s.start, self._by_name[s.tier].fetch(keys[s.start : s.stop], self.config.load_timeout_s))
-            for s in plan.segments
-        ]
+        timeout = self.config.load_timeout_s
+        streams = []
+        for s in plan.segments:
+            tier = self._by_name[s.tier]
+            part = keys[s.start : s.stop]
+            if into is not None and isinstance(tier, FetchInto):
+                streams.append((tier, len(part), tier.fetch_into(part, into[s.start : s.stop], timeout), None))
+            else:
+                streams.append((tier, len(part), tier.fetch(part, timeout), None if into is None else into[s.start : s.stop]))
         try:
-            for tier, want, it in streams:
+            for tier, want, it, copy_to in streams:
                 got = 0
                 for obj in it:
+                    if copy_to is not None:
+                        if got >= len(copy_to) or copy_to[got].nbytes != obj.header.payload_len:
+                            tier.done_with(obj)
+                            return
+                        copy_into(copy_to[got], obj.payload)
                     got += 1
                     try:
                         yield obj
@@ -149,7 +167,7 @@ class TieredStore:
                 if got < want:
                     return
         finally:
-            for _, _, it in streams:
+            for _, _, it, _ in streams:
                 close = getattr(it, "close", None)
                 if close is not None:
                     close()
@@ -159,13 +177,9 @@ class TieredStore:
         payload long). Returns how many leading chunks were loaded; the content
         of the other buffers is undefined."""
         n = 0
-        it = self.fetch(keys, plan)
+        it = self._fetch(keys[: len(bufs)], plan, None, [memoryview(b).cast("B") for b in bufs[: len(keys)]])
         try:
-            for obj, buf in zip(it, bufs):
-                view = memoryview(buf).cast("B")
-                if view.nbytes != obj.header.payload_len:
-                    break
-                copy_into(view, obj.payload)
+            for _ in it:
                 n += 1
         finally:
             it.close()

@@ -4,10 +4,13 @@ object that lands is verified on the tier's pool (checksums of many objects
 on as many cores); the consumer takes them in key order.
 
 It answers to the same calls as ``ReadStream`` (``iter``, ``stop``,
-``failed``), with the same rules: objects are read into buffers the stream
-takes from the pool, never into the caller's, so a read that lands after a
-timeout harms nobody; the stream stops at the first miss; objects read but
-never handed over go back to the pool.
+``failed``, ``delivers``), with the same rules: objects are read into
+buffers the stream takes from the pool, never into the caller's, so a read
+that lands after a timeout harms nobody; the stream stops at the first miss;
+objects read but never handed over go back to the pool. Given the caller's
+buffers (``into``, a load), the job that verified an object copies its
+payload into its buffer, only while the consumer still wants it; ``stop``
+returns once no such copy is under way.
 
 What it saves, per object, against a pool thread per read: the thread
 wake-ups and GIL hand-offs (a cold load with 16-32 pool threads made ~34
@@ -31,7 +34,7 @@ from collections import deque
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable, Iterator, Sequence
 
-from kvtier.buffers import address, align_up
+from kvtier.buffers import address, align_up, copy_into
 from kvtier.codec import ChunkObject
 from kvtier.engine.executor import LOAD, PriorityExecutor, usable_cpus
 from kvtier.keys import ChunkKey
@@ -94,6 +97,7 @@ class AioStream:
         contexts: ContextPool | None = None,
         verifiers: int | None = None,
         trace: ReadTrace | None = None,
+        into: Sequence[memoryview] | None = None,
     ):
         self.path = path  # what the owner calls this way of reading (its accounting)
         self._keys = keys
@@ -122,10 +126,19 @@ class AioStream:
         # Landed reads wait here, lowest index first, for one of at most
         # ``verifiers`` jobs: the consumer's next object is verified first,
         # so it starts on it while later ones are checked. By default one
-        # job per core but one, which is the consumer's (its copies).
+        # job per core but one (the driver's and the consumer's: two jobs
+        # per core on two cores cost more CPU than they saved, measured in
+        # docs/benchmarks.md).
         self._to_verify: list[tuple[int, _Read]] = []
         self._verifiers = 0  # verification jobs running
         self._max_verifiers = max(1, verifiers if verifiers is not None else usable_cpus() - 1)
+        # The caller's buffers, where each verified object's payload is
+        # copied by the job that verified it (``delivers``): landed objects'
+        # copies then run on as many cores as their checks, not one after
+        # the other on the consumer's thread.
+        self._into = into
+        self.delivers = into is not None
+        self._copying = 0  # copies into the caller's buffers under way (``stop`` waits for them)
         self._crash: BaseException | None = None  # what ended the driver, if it failed
         self.failed: BaseException | None = None  # error or timeout that ended the stream
         self._executor = executor
@@ -196,7 +209,7 @@ class AioStream:
                         op.abandon(self._pool)
                         if pending or staged:
                             break  # read it alone once the reads ahead of it landed
-                        self._set(nxt, self._sync(key))  # the file system refused O_DIRECT for it
+                        self._set(nxt, self._sync(nxt))  # the file system refused O_DIRECT for it
                         nxt += 1
                         continue
                     staged.append((nxt, _Read(op, est, t0, piece, len(pieces)), pieces))
@@ -224,7 +237,7 @@ class AioStream:
                         # falls back to buffered if O_DIRECT itself is refused).
                         r.op.abandon(self._pool)
                         self._refused()
-                        self._set(i, self._sync(self._keys[i]))
+                        self._set(i, self._sync(i))
                     elif errs:
                         r.op.abandon(self._pool)
                         self._set(i, OSError(errs[0], f"read failed: {os.strerror(errs[0])}"))
@@ -275,12 +288,38 @@ class AioStream:
                     val = self._finish(self._keys[i], r.op, r.got(), r.t0)
                 except Exception as exc:
                     val = exc
+                if self._into is not None and isinstance(val, ChunkObject):
+                    val = self._deliver(i, val)
                 self._set(i, val)
             else:
                 r.op.abandon(self._pool)
             with self._cond:
                 self._verifying -= 1
                 self._cond.notify_all()
+
+    def _deliver(self, i: int, obj: ChunkObject) -> ChunkObject | None:
+        """Copy verified ``obj``'s payload into the caller's buffer ``i``
+        (on the verification job), unless the consumer will not take it.
+        None (a miss: the stream ends there) where no buffer of the payload's
+        size waits for it. A copy is registered under the lock and ``stop``
+        waits for the copies under way: once the consumer stopped, nothing
+        writes into its buffers."""
+        into = self._into
+        dst = into[i] if into is not None and i < len(into) else None
+        if dst is None or dst.nbytes != obj.header.payload_len:
+            obj.release()
+            return None
+        with self._cond:
+            if i > self._end or (self._consumed is not None and i >= self._consumed):
+                return obj  # nobody takes it (``_set`` releases it): not copied
+            self._copying += 1
+        try:
+            copy_into(dst, obj.payload)
+        finally:
+            with self._cond:
+                self._copying -= 1
+                self._cond.notify_all()
+        return obj
 
     @staticmethod
     def _submit(ctx: AioContext, backlog: list, trace: ReadTrace | None) -> bool:
@@ -299,11 +338,16 @@ class AioStream:
         del backlog[:took]
         return not backlog
 
-    def _sync(self, key: ChunkKey) -> object:
+    def _sync(self, i: int) -> object:
+        """Read object ``i`` the ordinary way (on the driver), and copy it
+        into the caller's buffer like a verified AIO read."""
         try:
-            return self._read_sync(key)
+            val = self._read_sync(self._keys[i])
         except Exception as exc:
             return exc
+        if self._into is not None and isinstance(val, ChunkObject):
+            val = self._deliver(i, val)
+        return val
 
     def _set(self, i: int, val: object) -> None:
         """Publish index ``i``'s result: an object, None (miss) or an error.
@@ -321,12 +365,15 @@ class AioStream:
     # ------------------------------------------------------------ consumer
     def stop(self, consumed: int = 0) -> None:
         """Stop submitting; release objects read but not handed out (reads
-        still in flight are released by the driver as they land)."""
+        still in flight are released by the driver as they land); return
+        once no copy into the caller's buffers is under way."""
         with self._cond:
             self._consumed = consumed if self._consumed is None else min(self._consumed, consumed)
             drop = [v for i, v in self._results.items() if i >= self._consumed]
             for i in [i for i in self._results if i >= self._consumed]:
                 del self._results[i]
+            while self._copying:  # a copy into the caller's buffers is a memcpy: it ends promptly
+                self._cond.wait()
         self._job.cancel()
         for v in drop:
             if isinstance(v, ChunkObject):

@@ -40,7 +40,9 @@ memory per buffer than a kept object should.
 
 Optional abilities are protocols beside the contract, never probed by name:
 ``Maintenance`` (``clear``, ``drop_cache``) for tests, benchmarks and
-administration; check with ``isinstance(tier, Maintenance)``.
+administration; ``FetchInto`` (``fetch_into``: ``fetch`` that copies each
+object into the caller's buffer where it verifies it, so that a load's
+copies run on as many cores as its checks); check with ``isinstance``.
 """
 
 from __future__ import annotations
@@ -168,4 +170,19 @@ class Maintenance(Protocol):
     def drop_cache(self) -> int:
         """Drop this tier's objects from the OS page cache so that the next
         reads are cold; how many objects (0 where the tier is memory)."""
+        ...
+
+
+@runtime_checkable
+class FetchInto(Protocol):
+    """Optional: ``fetch`` that fills the caller's buffers itself
+    (``PooledTier``: the directory, Redis and S3 tiers). ``TieredStore.load``
+    uses it where a tier has it, and copies itself elsewhere."""
+
+    def fetch_into(self, keys: Sequence[ChunkKey], bufs: Sequence[memoryview],
+                   timeout: float | None = None) -> Iterator[ChunkObject]:
+        """``fetch``, each object's payload copied into its buffer of ``bufs``
+        (unsigned bytes, one payload long each) before it is yielded; a buffer
+        of another size ends the fetch there. Nothing writes into ``bufs``
+        once the iterator is closed."""
         ...

@@ -125,7 +125,7 @@ class FileTier(PooledTier):
         self._accepted(key, obj, mtime, t0)
         return obj
 
-    def _stream(self, keys: Sequence[ChunkKey]):
+    def _stream(self, keys: Sequence[ChunkKey], into: Sequence[memoryview] | None = None):
         # O_DIRECT reads go through native AIO from one driver thread; the
         # pool's threads read buffered files (AIO would run those inline).
         direct = self.config.o_direct and self.dir.direct_ok
@@ -134,7 +134,7 @@ class FileTier(PooledTier):
         if path == DIRECT and self.config.aio and self._aio_ok and aio.available():
             return AioStream(self.executor, keys, self._begin_read, self._finish_read, self._read_one, self.pool,
                              window, bpt, refused=self._refuse_aio, path=path, contexts=self._aio_contexts,
-                             trace=self.read_trace)
+                             trace=self.read_trace, into=into)
         read = functools.partial(self._read_one, direct=path == DIRECT)
         return ReadStream(self.executor, keys, read, window, bpt, path=path)
 

@@ -13,6 +13,7 @@ import time
 from concurrent.futures import Future, TimeoutError as FutureTimeout
 from typing import Iterator, Sequence
 
+from kvtier.buffers import copy_into
 from kvtier.codec import ChunkObject
 from kvtier.engine.executor import LOAD, STORE, PriorityExecutor
 from kvtier.keys import ChunkKey
@@ -140,16 +141,40 @@ class PooledTier(Tier):
             return iter(())
         return self._drain(self._stream(keys), keys, timeout, time.perf_counter())
 
-    def _stream(self, keys: Sequence[ChunkKey]) -> ReadStream:
+    def fetch_into(self, keys: Sequence[ChunkKey], bufs: Sequence[memoryview],
+                   timeout: float | None = None) -> Iterator[ChunkObject]:
+        """``fetch``, with each object's payload copied into the matching
+        buffer of ``bufs`` (unsigned bytes, a payload long each) before it is
+        yielded; a buffer of another size ends the fetch there. The copies
+        run where the stream verifies objects if it can (``delivers``), else
+        on the caller's thread; none is under way once the iterator is closed."""
+        if not keys:
+            return iter(())
+        if not self.breaker.allow():
+            self.metrics.miss(len(keys))
+            return iter(())
+        stream = self._stream(keys, bufs)
+        return self._drain(stream, keys, timeout, time.perf_counter(), None if stream.delivers else bufs)
+
+    def _stream(self, keys: Sequence[ChunkKey], into: Sequence[memoryview] | None = None) -> ReadStream:
         """The reader of one fetch: ``_read_one`` per key on the pool, within
         the read window. A tier with a better way to keep many reads in
-        flight returns its own (``iter``, ``stop``, ``failed`` alike)."""
+        flight returns its own (``iter``, ``stop``, ``failed``, ``delivers``
+        alike), which may copy objects into ``into`` as it verifies them."""
         return ReadStream(self.executor, keys, self._read_one, self.config.read_window_bytes, lambda: self._bytes_per_token)
 
-    def _drain(self, stream, keys: Sequence[ChunkKey], timeout: float | None, t0: float) -> Iterator[ChunkObject]:
+    def _drain(self, stream, keys: Sequence[ChunkKey], timeout: float | None, t0: float,
+               into: Sequence[memoryview] | None = None) -> Iterator[ChunkObject]:
+        """Hand over the stream's objects, counting them; with ``into``,
+        copy each into its buffer first (a buffer of another size ends it)."""
         served = nbytes = 0
         try:
             for obj in stream.iter(timeout):
+                if into is not None:
+                    if served >= len(into) or into[served].nbytes != obj.header.payload_len:
+                        obj.release()
+                        break
+                    copy_into(into[served], obj.payload)
                 served += 1
                 nbytes += obj.nbytes
                 # Counted when handed over: reads ahead of a miss or of an

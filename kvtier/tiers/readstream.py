@@ -44,6 +44,7 @@ class ReadStream:
         path: str = "",
     ):
         self.path = path  # what the owner calls this way of reading (its accounting)
+        self.delivers = False  # objects are handed over uncopied (``AioStream`` may copy them on its pool)
         self._executor = executor
         self._keys = keys
         self._read_one = read_one

@@ -76,6 +76,21 @@ def test_lookup_is_the_longest_prefix_over_all_tiers_in_segments(open_store):
     assert plan.tokens_by_tier(c.keys) == {"memory": 48, "disk": 64, "shared": 48}
 
 
+@pytest.mark.parametrize("short", [1, 5, 8])  # in memory's segment, disk's, shared's (read by AIO, copied where verified)
+def test_load_ends_at_a_buffer_of_another_size_in_any_segment(open_store, short):
+    store = open_store()
+    c = make_chunks(10)
+    _layered(store, c)
+    bufs = [bytearray(len(payload_for(k))) for k in c.keys]
+    bufs[short] = bytearray(len(bufs[short]) + 4096)
+    assert store.load(c.keys, bufs) == short
+    assert [bytes(b) for b in bufs[:short]] == c.payloads[:short]
+    assert _load(store, c.keys) == c.payloads  # the store is none the worse
+    two = [bytearray(len(p)) for p in c.payloads[:2]]
+    assert store.load(c.keys[:4], two) == 2  # fewer buffers than keys: as many chunks as buffers
+    assert [bytes(b) for b in two] == c.payloads[:2]
+
+
 def test_lookup_stops_at_a_chunk_no_tier_holds(open_store):
     store = open_store()
     c = make_chunks(10)

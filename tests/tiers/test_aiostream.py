@@ -223,7 +223,7 @@ def test_loads_reuse_their_aio_contexts_and_the_tier_frees_them(open_tier, monke
     assert made[0]._closed
 
 
-def _held_stream(tier, c, verifiers):
+def _held_stream(tier, c, verifiers, into=None):
     """A stream over every object at once whose verifications all wait at a
     gate; returns it, the gate, the indices in the order verification
     started, and the peak of verifications running together."""
@@ -243,7 +243,7 @@ def _held_stream(tier, c, verifiers):
                 running[0] -= 1
 
     stream = AioStream(tier.executor, c.keys, tier._begin_read, finish, tier._read_one, tier.pool,
-                       64 * OBJ, lambda: tier._bytes_per_token, verifiers=verifiers)
+                       64 * OBJ, lambda: tier._bytes_per_token, verifiers=verifiers, into=into)
     end = time.monotonic() + 10
     while stream._verifying < len(c.keys) and time.monotonic() < end:  # every read landed
         time.sleep(0.005)
@@ -314,3 +314,82 @@ def test_a_window_smaller_than_an_object_keeps_two_reads_in_flight(open_tier):
             running += d
             peak = max(peak, running)
     assert peak == MIN_INFLIGHT == 2  # one piece per object: no more than the floor either
+
+
+def _bufs(c) -> list[memoryview]:
+    return [memoryview(bytearray(len(p))) for p in c.payloads]
+
+
+def test_fetch_into_copies_each_object_on_the_job_that_verified_it(open_tier, monkeypatch):
+    """The caller's buffers are filled where objects are verified, on the
+    tier's pool, not one after the other on the consumer's thread."""
+    import kvtier.tiers.aiostream as aiostream
+
+    copiers, real = [], aiostream.copy_into
+    monkeypatch.setattr(aiostream, "copy_into", lambda dst, src: (copiers.append(threading.get_ident()), real(dst, src)))
+    tier = open_tier()
+    c = make_chunks(10)
+    tier.store(c.objs)
+    bufs = _bufs(c)
+    n = 0
+    for obj in tier.fetch_into(c.keys, bufs):
+        assert bytes(bufs[n]) == c.payloads[n]  # in place before it is handed over
+        obj.release()
+        n += 1
+    assert n == 10 and [bytes(b) for b in bufs] == c.payloads
+    assert len(copiers) == 10 and threading.get_ident() not in copiers
+
+
+def test_fetch_into_ends_at_a_buffer_of_another_size(open_tier):
+    tier = open_tier()
+    c = make_chunks(6)
+    tier.store(c.objs)
+    bufs = _bufs(c)
+    bufs[3] = memoryview(bytearray(len(c.payloads[3]) + 1))
+    got = []
+    for obj in tier.fetch_into(c.keys, bufs):
+        got.append(bytes(obj.payload))
+        obj.release()
+    assert got == c.payloads[:3]
+    assert [bytes(b) for b in bufs[:3]] == c.payloads[:3]
+
+
+def test_nothing_is_copied_into_the_callers_buffers_once_it_stopped(open_tier):
+    """A verification that ends after the consumer stopped (a timeout, an
+    abandoned load) leaves the caller's buffers alone: the engine may have
+    given them to another request by then."""
+    tier = open_tier()
+    c = make_chunks(6)
+    tier.store(c.objs)
+    bufs = _bufs(c)
+    stream, gate, started, _ = _held_stream(tier, c, verifiers=1, into=bufs)
+    assert started == [0]  # one verification under way, held at the gate
+    stream.stop(0)
+    gate.set()
+    end = time.monotonic() + 10
+    while stream._verifying and time.monotonic() < end:
+        time.sleep(0.005)
+    assert stream._verifying == 0
+    assert all(not any(bytes(b)) for b in bufs)  # verified, and not copied
+
+
+def test_stop_returns_only_once_a_copy_under_way_ended(open_tier, monkeypatch):
+    import kvtier.tiers.aiostream as aiostream
+
+    began, ended, real = threading.Event(), threading.Event(), aiostream.copy_into
+
+    def slow_copy(dst, src):
+        began.set()
+        time.sleep(0.3)
+        real(dst, src)
+        ended.set()
+
+    monkeypatch.setattr(aiostream, "copy_into", slow_copy)
+    tier = open_tier()
+    c = make_chunks(1)
+    tier.store(c.objs)
+    stream = AioStream(tier.executor, c.keys, tier._begin_read, tier._finish_read, tier._read_one, tier.pool,
+                       64 * OBJ, lambda: tier._bytes_per_token, into=_bufs(c))
+    assert began.wait(10)
+    stream.stop(0)
+    assert ended.is_set()
