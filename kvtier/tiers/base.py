@@ -132,15 +132,19 @@ class Tier(abc.ABC):
         """Copy the leading payloads into ``bufs`` (each exactly a payload long).
 
         A buffer whose size does not match the stored payload ends the prefix.
+        A tier with ``fetch_into`` copies where it verifies.
         """
         n = 0
-        it = self.fetch(keys, timeout)
+        views = [memoryview(b).cast("B") for b in bufs[: len(keys)]]
+        into = isinstance(self, FetchInto)
+        it = self.fetch_into(keys[: len(views)], views, timeout) if into else self.fetch(keys[: len(views)], timeout)
         try:
-            for obj, buf in zip(it, bufs):
+            for obj, buf in zip(it, views):
                 try:
-                    if memoryview(buf).nbytes != obj.header.payload_len:
-                        break
-                    copy_into(memoryview(buf).cast("B"), obj.payload)
+                    if not into:
+                        if buf.nbytes != obj.header.payload_len:
+                            break
+                        copy_into(buf, obj.payload)
                     n += 1
                 finally:
                     self.done_with(obj)
