@@ -197,10 +197,16 @@ def _checks(ratios: dict) -> dict:
             out[k] = {"value": v, "bar": bar, "kind": "at most" if at_most else "at least",
                       "met": v <= bar if at_most else v >= bar}
     if "lower_ttft_than_example" in ratios:
-        ties = sorted(n for n, d in ratios.get("ttft_vs_example", {}).items() if d["verdict"] == "tie")
+        vs = ratios.get("ttft_vs_example", {})
+        ties = sorted(n for n, d in vs.items() if d["verdict"] == "tie")
+        # The configurations that lost, by how much and against what spread:
+        # what a reader of a missed bar needs first.
+        above = {n: {"diff_s": d["diff_s"], "noise_s": d["noise_s"]} for n, d in sorted(vs.items())
+                 if d["verdict"] == "above"}
         out["lower_ttft_than_example"] = {"value": ratios["lower_ttft_than_example"], "bar": 1.0,
                                           "kind": "all kvtier TTFT p50 below example's, or tied within the run's spread",
-                                          "met": ratios["lower_ttft_than_example"] == 1.0, "ties": ties}
+                                          "met": ratios["lower_ttft_than_example"] == 1.0, "ties": ties,
+                                          "above": above}
     return out
 
 
@@ -308,6 +314,9 @@ def format_table(s: dict) -> str:
                 lines.append(f"  {case:>8} {k:<28} {'-':>5}  ({c['kind']} {c['bar']})  {c['why']}")
                 continue
             verdict = "met" if c["met"] else "MISSED"
+            if c.get("above"):
+                verdict += " (above example's by more than the run's spread: " + ", ".join(
+                    f"{n} +{d['diff_s'] * 1e3:.0f} ms, spread {d['noise_s'] * 1e3:.0f} ms" for n, d in c["above"].items()) + ")"
             if c.get("ties"):
                 verdict += f" (tie within the run's spread: {', '.join(c['ties'])})"
             lines.append(f"  {case:>8} {k:<28} {c['value']:.3f}  ({c['kind']} {c['bar']})  {verdict}")

@@ -79,8 +79,12 @@ def test_a_difference_within_the_runs_spread_is_a_tie():
     assert r["ttft_vs_example"]["kvtier-memory"]["verdict"] == "below"
     c = _checks(r)["lower_ttft_than_example"]
     assert c["met"] is True and c["ties"] == ["kvtier-shared"]
+    assert c["above"] == {}
     by["kvtier-shared"]["ttft_p50_s"] = 0.7  # 110 ms above: beyond the spread
-    assert _checks(_ratios("w1", by, {"best_gbps": 1.0}))["lower_ttft_than_example"]["met"] is False
+    c = _checks(_ratios("w1", by, {"best_gbps": 1.0}))["lower_ttft_than_example"]
+    assert c["met"] is False and list(c["above"]) == ["kvtier-shared"]  # named, with its margin
+    assert c["above"]["kvtier-shared"]["diff_s"] == pytest.approx(0.11)
+    assert c["above"]["kvtier-shared"]["noise_s"] == pytest.approx(0.05)
 
 
 def test_multiprocess_runs_are_compared_with_their_single_process_runs():
