@@ -137,7 +137,12 @@ class ShmTier(FileTier):
     def _reconcile(self) -> int:
         """Node lock held: recompute the ledger from the directory."""
         self.dir.sweep_tmp(float("inf"))  # this node's dead writers only
-        used = sum(e.size for e in self.dir.scan()) + self.dir.tmp_bytes()
+        # Temp files first: other processes publish (rename out of tmp/)
+        # without the lock, and a write published between the two walks is
+        # then counted twice, which the next reconcile corrects, instead of
+        # not at all (the node then held one object more than its capacity).
+        in_flight = self.dir.tmp_bytes()
+        used = in_flight + sum(e.size for e in self.dir.scan())
         self._set_used(used)
         return used
 

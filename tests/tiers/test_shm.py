@@ -136,3 +136,32 @@ def test_eviction_is_lru_across_instances(node_dir):
     finally:
         a.close()
         b.close()
+
+
+def test_a_write_published_while_the_ledger_is_recounted_is_not_lost(node_dir, monkeypatch):
+    """Another process publishes (renames out of tmp/) without the node
+    lock: a publish between the recount's two walks must not vanish from
+    the ledger (it did: the node then admitted one object past capacity)."""
+    tier = _open(node_dir, 16 * OBJ)
+    try:
+        (obj,) = objs_for(keys_for(7, 1))
+        key = keys_for(7, 1)[0]
+        w = tier.dir.begin_write(obj.nbytes)
+        w.fill(obj, False)
+        walks = []
+        real_scan, real_tmp = tier.dir.scan, tier.dir.tmp_bytes
+
+        def after_first_walk(result):
+            walks.append(1)
+            if len(walks) == 1:
+                w.publish(key)  # lands between the two walks
+            return result
+
+        monkeypatch.setattr(tier.dir, "scan", lambda: iter(after_first_walk(list(real_scan()))))
+        monkeypatch.setattr(tier.dir, "tmp_bytes", lambda: after_first_walk(real_tmp()))
+        with tier._node():
+            used = tier._reconcile()
+        assert len(walks) == 2
+        assert used >= _held(node_dir) == obj.nbytes
+    finally:
+        tier.close()
