@@ -34,6 +34,7 @@ import errno
 import mmap
 import threading
 import weakref
+from collections.abc import Sequence
 
 ALIGN = 4096
 HUGE = 2 << 20  # a transparent huge page (x86-64, arm64 with 4 KiB pages)
@@ -203,6 +204,17 @@ def address(buf: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(buf))
 
 
+def slot(bufs: "Sequence[memoryview] | LoadBuffers | None", i: int, nbytes: int) -> memoryview | None:
+    """Buffer ``i`` of ``bufs`` if there is one exactly ``nbytes`` long, else
+    None: where a load copies the ``i``-th payload (a buffer of another size,
+    or none, ends the load there)."""
+    if bufs is None or i >= len(bufs):
+        return None
+    if isinstance(bufs, LoadBuffers):
+        return bufs.writable(i) if bufs.payload_bytes == nbytes else None
+    return bufs[i] if bufs[i].nbytes == nbytes else None
+
+
 def copy_into(dst: memoryview, src: memoryview) -> None:
     """memcpy(dst, src) with the GIL released (ctypes foreign calls drop it).
 
@@ -217,3 +229,130 @@ def copy_into(dst: memoryview, src: memoryview) -> None:
         ctypes.memmove(address(dst), bytes(src), n)
     else:
         ctypes.memmove(address(dst), address(src), n)
+
+
+class LoadBuffers:
+    """Buffers kvtier lends a caller to load chunks into
+    (``TieredStore.load_buffers``): one slot per chunk, each a whole object's
+    buffer (the ``offset``-byte header block, then the payload), aligned for
+    O_DIRECT. A directory tier's native-AIO read lands an object straight in
+    its slot and is verified there, so a load into lent buffers copies
+    nothing; other tiers' objects are copied into the slot's payload.
+
+    ``payload(i)`` is slot ``i``'s payload, read-only to the caller: ask for
+    it after each load (a slot may have a new buffer then). Like a load into
+    the caller's own buffers, only the leading slots the load counted hold
+    chunks; the others are undefined.
+
+    Why lent and not the caller's own: a read still in flight when a load
+    gives up (its deadline) lands later, and must not land in memory the
+    caller uses again. A slot whose buffer someone else may still write or
+    hold (a late read, or the memory tier that promoted the object in it) is
+    busy: the next load gives that slot a fresh buffer, and the old one goes
+    back to the pool when its last holder lets go.
+
+    A slice (``bufs[a:b]``) is a view of the same slots. One load at a time
+    into one set of slots (two at once are safe, but the slots then hold
+    either's chunks).
+    """
+
+    def __init__(self, pool: "BufferPool", count: int, payload_bytes: int, offset: int = ALIGN):
+        if payload_bytes <= 0 or count < 0:
+            raise ValueError(f"{count} buffers of {payload_bytes} B: need a positive payload size")
+        self.payload_bytes = payload_bytes
+        self._offset = offset
+        self._object_bytes = offset + align_up(payload_bytes)
+        self._pool = pool
+        self._lock = threading.Lock()
+        self._bufs = [pool.get(self._object_bytes, direct_read=True) for _ in range(count)]
+        self._busy = [False] * count  # a read may land in it, or an object in it is held
+        self._start, self._stop = 0, count
+
+    def __len__(self) -> int:
+        return self._stop - self._start
+
+    def __getitem__(self, index: slice) -> "LoadBuffers":
+        if not isinstance(index, slice):
+            raise TypeError("LoadBuffers: slice it, or use payload(i)")
+        start, stop, step = index.indices(len(self))
+        if step != 1:
+            raise ValueError("LoadBuffers: slices take consecutive slots")
+        view = object.__new__(LoadBuffers)
+        view.__dict__.update(self.__dict__)
+        view._start, view._stop = self._start + start, self._start + max(start, stop)
+        return view
+
+    def payload(self, i: int) -> memoryview:
+        """Slot ``i``'s payload (read-only)."""
+        return self._view(self._slot(i)).toreadonly()
+
+    def writable(self, i: int) -> memoryview:
+        """Slot ``i``'s payload, to copy a chunk into (kvtier's loads): a busy
+        slot gets a fresh buffer first."""
+        j = self._slot(i)
+        with self._lock:
+            if self._busy[j]:
+                self._replace(j)
+            return self._view(j)
+
+    def lender(self, i: int) -> "_Lender":
+        """A pool for the read of slot ``i``'s chunk: it lends the slot's
+        buffer to a read of an object of exactly that size."""
+        return _Lender(self, self._slot(i))
+
+    def _slot(self, i: int) -> int:
+        if not 0 <= i < len(self):
+            raise IndexError(f"slot {i} of {len(self)}")
+        return self._start + i
+
+    def _view(self, j: int) -> memoryview:
+        return self._bufs[j][self._offset : self._offset + self.payload_bytes]
+
+    def _replace(self, j: int) -> None:
+        """Give slot ``j`` a fresh buffer (lock held); the old one stays
+        with its holders and goes to the pool when they let go."""
+        self._bufs[j] = self._pool.get(self._object_bytes, direct_read=True)
+        self._busy[j] = False
+
+    def _lend(self, j: int, nbytes: int) -> memoryview | None:
+        with self._lock:
+            if nbytes != self._bufs[j].nbytes:
+                return None
+            if self._busy[j]:
+                self._replace(j)
+            self._busy[j] = True
+            return self._bufs[j]
+
+    def _returned(self, j: int, buf: memoryview) -> bool:
+        """``buf`` came back; True if it is slot ``j``'s (which is free
+        again), False if the pool takes it."""
+        with self._lock:
+            if buf.obj is not self._bufs[j].obj:
+                return False
+            self._busy[j] = False
+            return True
+
+
+class _Lender:
+    """The pool one slot's read takes its buffer from and gives it back to:
+    the slot's own buffer for an object of its size, the store's pool for
+    anything else (a header read first, an object of another size)."""
+
+    __slots__ = ("_bufs", "_j")
+    lends = True
+
+    def __init__(self, bufs: LoadBuffers, j: int):
+        self._bufs, self._j = bufs, j
+
+    def get(self, nbytes: int, direct_read: bool = False) -> memoryview:
+        buf = self._bufs._lend(self._j, nbytes)
+        return buf if buf is not None else self._bufs._pool.get(nbytes, direct_read)
+
+    def put(self, buf: memoryview) -> None:
+        if not self._bufs._returned(self._j, buf):
+            self._bufs._pool.put(buf)
+
+    def holds(self, buf: memoryview) -> bool:
+        """``buf`` is the slot's buffer (an object read in place)."""
+        with self._bufs._lock:
+            return buf.obj is self._bufs._bufs[self._j].obj

@@ -9,7 +9,7 @@ import gc
 import pytest
 
 from kvtier import buffers
-from kvtier.buffers import ALIGN, HUGE, BufferPool, address, align_up, alloc
+from kvtier.buffers import ALIGN, HUGE, BufferPool, LoadBuffers, address, align_up, alloc, mapped_bytes, slot
 
 
 def _mapping(addr: int) -> dict | None:
@@ -156,3 +156,69 @@ def test_a_huge_buffer_takes_the_room_of_free_small_ones_when_the_pool_is_full()
     assert pool._kept == align_up(n) + (4 << 20)
     pool.huge, pool.whole_reads = True, True
     assert address(pool.get(n, direct_read=True)) == address(big)
+
+
+# ---------------------------------------------------------------- LoadBuffers
+
+
+def test_lent_slots_are_aligned_whole_object_buffers_with_read_only_payload_views():
+    pool = BufferPool(64 << 20)
+    lb = LoadBuffers(pool, 3, 10_000)
+    assert len(lb) == 3 and lb.payload_bytes == 10_000
+    for i in range(3):
+        buf = lb._bufs[i]
+        assert buf.nbytes == 4096 + align_up(10_000) and address(buf) % 4096 == 0
+        view = lb.payload(i)
+        assert view.readonly and view.nbytes == 10_000
+    with pytest.raises(TypeError):
+        lb.payload(0)[0] = 1
+    with pytest.raises(IndexError):
+        lb.payload(3)
+
+
+def test_a_slice_is_a_view_of_the_same_slots():
+    lb = LoadBuffers(BufferPool(64 << 20), 4, 4096)
+    tail = lb[1:]
+    assert len(tail) == 3 and len(lb[:2]) == 2 and len(lb[3:1]) == 0
+    tail.writable(0)[:4] = b"abcd"
+    assert bytes(lb.payload(1)[:4]) == b"abcd"
+    lb.writable(3)[:2] = b"zz"
+    assert len(tail[1:]) == 2 and bytes(tail[1:].payload(1)[:2]) == b"zz"
+
+
+def test_a_slot_is_lent_to_a_read_of_its_size_only_and_is_busy_until_given_back():
+    pool = BufferPool(64 << 20)
+    lb = LoadBuffers(pool, 2, 4096)
+    lender = lb.lender(0)
+    other = lender.get(4096)  # a header read first, say: not the slot's
+    assert other.obj is not lb._bufs[0].obj
+    lender.put(other)  # to the pool
+    assert pool._kept == mapped_bytes(other)
+    buf = lender.get(8192)
+    assert buf.obj is lb._bufs[0].obj and lb._busy[0] and lender.holds(buf)
+    lender.put(buf)
+    assert not lb._busy[0] and lb._bufs[0].obj is buf.obj  # free again, still the slot's
+
+
+def test_a_busy_slot_gets_a_fresh_buffer_and_the_old_one_goes_to_the_pool_when_let_go():
+    """A read that lands after its load gave up (or an object the memory tier
+    holds) keeps the old buffer: the next load must not write into it, nor
+    the pool recycle it before its holder lets go."""
+    pool = BufferPool(64 << 20)
+    lb = LoadBuffers(pool, 1, 4096)
+    lender = lb.lender(0)
+    held = lender.get(8192)  # a read in flight into the slot
+    dst = lb.writable(0)  # the next load copies into slot 0
+    assert dst.obj is not held.obj and lb._bufs[0].obj is dst.obj
+    assert pool._kept == 0  # the held buffer is not the pool's yet
+    lender.put(held)  # the late read lands and is let go
+    assert pool._kept == mapped_bytes(held) and lb._bufs[0].obj is dst.obj and not lb._busy[0]
+    again = lender.get(8192)  # a new read: the slot's new buffer, not the old one
+    assert again.obj is dst.obj
+
+
+def test_slot_finds_the_lent_payload_to_copy_into_or_none_for_another_size():
+    lb = LoadBuffers(BufferPool(64 << 20), 2, 4096)
+    assert slot(lb, 1, 4096).obj is lb._bufs[1].obj and not slot(lb, 1, 4096).readonly
+    assert slot(lb, 1, 4095) is None and slot(lb, 2, 4096) is None
+    assert slot([memoryview(bytearray(8))], 0, 8) is not None and slot([memoryview(bytearray(8))], 0, 7) is None

@@ -69,12 +69,14 @@ def _storage_parser(bsub) -> None:
     bs.add_argument("--session-chunks", type=int, default=32, help="chunks per load call, i.e. one resumed session (default 32 = 8k tokens)")
     bs.add_argument("--windows", type=argtypes.sizes, default=(16 << 20, 32 << 20, 128 << 20), help="read windows to try, comma-separated (default 16MiB,32MiB,128MiB; the tiers' default is 128MiB)")
     bs.add_argument("--fio-depths", type=argtypes.ints, default=(1, 8, 32), help="fio queue depths (default 1,8,32)")
-    bs.add_argument("--read-modes", type=_read_modes, default=("direct-aio", "buffered"),
-                    help="kvtier read modes to measure, comma-separated: direct-aio (the file tiers' default: O_DIRECT "
-                    "issued with native AIO from one thread), buffered (o_direct: false), direct (O_DIRECT, one pool "
+    bs.add_argument("--read-modes", type=_read_modes, default=("direct-aio-lent", "direct-aio", "buffered"),
+                    help="kvtier read modes to measure, comma-separated: direct-aio-lent (the file tiers' default "
+                    "path, loading into buffers the store lends: each chunk read and verified in place, no copy), "
+                    "direct-aio (the file tiers' default: O_DIRECT "
+                    "issued with native AIO from one thread, into the caller's own buffers), buffered (o_direct: false), direct (O_DIRECT, one pool "
                     "thread per read), direct-aio-4k (the default path with its read buffers on 4 KiB pages, huge_pages: "
                     "false), auto (adaptive_reads: each load by the path that read faster lately) "
-                    "(default direct-aio,buffered)")
+                    "(default direct-aio-lent,direct-aio,buffered)")
     bs.add_argument("--repeats", type=int, default=3, help="runs per measurement; medians are reported (default 3)")
     bs.add_argument("--memory", type=argtypes.size, default=1 << 30, help="bytes used for the memory-tier comparison (default 1GiB)")
     bs.add_argument("--io-threads", type=int, default=32, help="I/O threads of the tier (default 32)")

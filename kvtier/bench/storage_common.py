@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from kvtier.buffers import copy_into
+from kvtier.buffers import LoadBuffers, copy_into
 from kvtier.codec import ChunkObject, encode, payload_checksum
 from kvtier.config import StoreConfig, TierSpec
 from kvtier.engine.store import TieredStore
@@ -35,14 +35,17 @@ MiB = 1 << 20
 GiB = 1 << 30
 
 # Measured by default: the file tiers' default read path, O_DIRECT through
-# native AIO from one driver thread ("direct-aio"), and buffered reads
-# ("buffered", o_direct: false). ``--read-modes`` also takes "direct" (O_DIRECT
+# native AIO from one driver thread, loading into buffers the store lends
+# ("direct-aio-lent": read and verified in place, no copy) and into the
+# caller's own buffers ("direct-aio": copied into them), and buffered reads
+# ("buffered", o_direct: false, into the caller's own). ``--read-modes`` also takes "direct" (O_DIRECT
 # with one pool thread per blocking read, aio: false), "direct-aio-4k" (the
 # default path with its read buffers on 4 KiB pages, the store's
 # huge_pages: false) and "auto" (adaptive
 # reads: each load by whichever of the two paths read faster lately).
-READ_MODES = ("direct-aio", "buffered")
-READ_MODE_CHOICES = ("auto", "direct", "buffered", "direct-aio", "direct-aio-4k")
+READ_MODES = ("direct-aio-lent", "direct-aio", "buffered")
+READ_MODE_CHOICES = ("auto", "direct", "buffered", "direct-aio", "direct-aio-lent", "direct-aio-4k")
+LENT_MODES = ("direct-aio-lent",)  # loads into ``TieredStore.load_buffers``
 
 
 def fio_mode(mode: str) -> str:
@@ -194,7 +197,7 @@ def load_sessions(store: TieredStore, sessions, bufs, per_load: list[float], tic
         per_load.append(time.perf_counter() - s0)
         if n != len(keys):
             raise StorageBenchError(f"{what} served {n} of {len(keys)} chunks: storage trouble, {where}")
-        nbytes += sum(bufs[i].nbytes for i in range(n))
+        nbytes += n * (bufs.payload_bytes if isinstance(bufs, LoadBuffers) else bufs[0].nbytes)
         tick(1)
     return LoadPass(nbytes, time.perf_counter() - t0, cpu_seconds() - c0)
 

@@ -20,8 +20,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
-from kvtier.buffers import BufferPool, copy_into
-from kvtier.codec import ChunkObject, encode
+from kvtier.buffers import BufferPool, LoadBuffers, copy_into, slot
+from kvtier.codec import HEADER_BLOCK, ChunkObject, encode
 from kvtier.config import StoreConfig, TierSpec
 from kvtier.engine.breaker import CircuitBreaker
 from kvtier.engine.executor import LOAD, PriorityExecutor
@@ -150,10 +150,11 @@ class TieredStore:
                 got = 0
                 for obj in it:
                     if copy_to is not None:
-                        if got >= len(copy_to) or copy_to[got].nbytes != obj.header.payload_len:
+                        dst = slot(copy_to, got, obj.header.payload_len)
+                        if dst is None:
                             tier.done_with(obj)
                             return
-                        copy_into(copy_to[got], obj.payload)
+                        copy_into(dst, obj.payload)
                     got += 1
                     try:
                         yield obj
@@ -172,18 +173,30 @@ class TieredStore:
                 if close is not None:
                     close()
 
-    def load(self, keys: Sequence[ChunkKey], bufs: Sequence[memoryview], plan: Lookup | None = None) -> int:
-        """Copy the leading payloads into caller-owned ``bufs`` (each exactly one
-        payload long). Returns how many leading chunks were loaded; the content
-        of the other buffers is undefined."""
+    def load(self, keys: Sequence[ChunkKey], bufs: Sequence[memoryview] | LoadBuffers,
+             plan: Lookup | None = None) -> int:
+        """Load the leading payloads into ``bufs``: the caller's own buffers
+        (each exactly one payload long; copied into), or buffers this store
+        lent (``load_buffers``: read into in place where the tier can).
+        Returns how many leading chunks were loaded; the content of the other
+        buffers is undefined."""
         n = 0
-        it = self._fetch(keys[: len(bufs)], plan, None, [memoryview(b).cast("B") for b in bufs[: len(keys)]])
+        views = bufs[: len(keys)] if isinstance(bufs, LoadBuffers) else [memoryview(b).cast("B") for b in bufs[: len(keys)]]
+        it = self._fetch(keys[: len(bufs)], plan, None, views)
         try:
             for _ in it:
                 n += 1
         finally:
             it.close()
         return n
+
+    def load_buffers(self, count: int, payload_bytes: int) -> LoadBuffers:
+        """``count`` buffers for chunks of ``payload_bytes``, lent to the
+        caller to ``load`` into: a directory tier reads each chunk straight
+        into its buffer and verifies it there, so the load copies nothing
+        (``LoadBuffers`` says what the caller may do with them). Reuse them
+        across loads: they come from the store's buffer pool."""
+        return LoadBuffers(self.pool, count, payload_bytes, HEADER_BLOCK)
 
     def prefetch(self, keys: Sequence[ChunkKey]) -> Prefetch:
         """Start reading the prefix into the memory tier in the background,

@@ -5,12 +5,15 @@ on as many cores); the consumer takes them in key order.
 
 It answers to the same calls as ``ReadStream`` (``iter``, ``stop``,
 ``failed``, ``delivers``), with the same rules: objects are read into
-buffers the stream takes from the pool, never into the caller's, so a read
-that lands after a timeout harms nobody; the stream stops at the first miss;
-objects read but never handed over go back to the pool. Given the caller's
-buffers (``into``, a load), the job that verified an object copies its
-payload into its buffer, only while the consumer still wants it; ``stop``
-returns once no such copy is under way.
+buffers the stream takes from the pool, never into the caller's own, so a
+read that lands after a timeout harms nobody; the stream stops at the first
+miss; objects read but never handed over go back to the pool. Given the
+caller's buffers (``into``, a load), the job that verified an object copies
+its payload into its buffer, only while the consumer still wants it;
+``stop`` returns once no such copy is under way. Given buffers kvtier lent
+the caller (``LoadBuffers``), each object is read into its slot and
+verified there: nothing is copied, and a read that lands late lands in a
+slot the next load will not reuse (``LoadBuffers``).
 
 What it saves, per object, against a pool thread per read: the thread
 wake-ups and GIL hand-offs (a cold load with 16-32 pool threads made ~34
@@ -34,7 +37,7 @@ from collections import deque
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable, Iterator, Sequence
 
-from kvtier.buffers import address, align_up, copy_into
+from kvtier.buffers import LoadBuffers, address, align_up, copy_into, slot
 from kvtier.codec import ChunkObject
 from kvtier.engine.executor import LOAD, PriorityExecutor, usable_cpus
 from kvtier.keys import ChunkKey
@@ -69,10 +72,11 @@ class AioStream:
     about one size (a 3 MiB chunk goes whole; cutting it in 0.5-1 MiB pieces
     gained nothing on the disk where this was measured and cost CPU).
 
-    The tier supplies the two halves of a read: ``begin(key)`` opens the
-    object and takes a buffer (``OpenRead``; None for a miss; raises for
-    backend trouble) and ``finish(key, op, got, t0)`` closes and verifies it
-    (the object, or None if it failed verification). ``read_sync(key)`` reads
+    The tier supplies the two halves of a read: ``begin(key, pool)`` opens
+    the object and takes a buffer from ``pool`` (``OpenRead``; None for a
+    miss; raises for backend trouble) and ``finish(key, op, got, t0, pool)``
+    closes and verifies it (the object, owned by ``pool``, or None if it
+    failed verification). ``read_sync(key)`` reads
     one object the ordinary way, for the rare file the file system would not
     open with O_DIRECT, and for reads the kernel refused (EINVAL: a file
     system that opens with O_DIRECT but refuses the I/O, or AIO on it);
@@ -84,8 +88,8 @@ class AioStream:
         self,
         executor: PriorityExecutor,
         keys: Sequence[ChunkKey],
-        begin: Callable[[ChunkKey], OpenRead | None],
-        finish: Callable[[ChunkKey, OpenRead, int, float], ChunkObject | None],
+        begin: Callable[[ChunkKey, object], OpenRead | None],
+        finish: Callable[[ChunkKey, OpenRead, int, float, object], ChunkObject | None],
         read_sync: Callable[[ChunkKey], ChunkObject | None],
         pool,
         window_bytes: int,
@@ -97,7 +101,7 @@ class AioStream:
         contexts: ContextPool | None = None,
         verifiers: int | None = None,
         trace: ReadTrace | None = None,
-        into: Sequence[memoryview] | None = None,
+        into: Sequence[memoryview] | LoadBuffers | None = None,
     ):
         self.path = path  # what the owner calls this way of reading (its accounting)
         self._keys = keys
@@ -137,12 +141,20 @@ class AioStream:
         # copies then run on as many cores as their checks, not one after
         # the other on the consumer's thread.
         self._into = into
+        self._lent = isinstance(into, LoadBuffers)  # read into its slots, in place
         self.delivers = into is not None
         self._copying = 0  # copies into the caller's buffers under way (``stop`` waits for them)
         self._crash: BaseException | None = None  # what ended the driver, if it failed
         self.failed: BaseException | None = None  # error or timeout that ended the stream
         self._executor = executor
         self._job = executor.submit(LOAD, self._drive)
+
+    def _pool_for(self, i: int):
+        """The pool object ``i``'s read takes its buffer from: its slot's
+        lender with lent buffers, else the tier's pool."""
+        if self._lent and i < len(self._into):
+            return self._into.lender(i)
+        return self._pool
 
     # ------------------------------------------------------------ driver
     def _drive(self) -> None:
@@ -171,7 +183,8 @@ class AioStream:
                     limit = self._end if self._consumed is None else min(self._end, self._consumed)
                 submitting = nxt < limit
                 while staged and staged[-1][0] >= limit:  # past a miss, or the consumer stopped
-                    staged.pop()[1].op.abandon(self._pool)
+                    i, r, _ = staged.pop()
+                    r.op.abandon(r.pool)
                 room = ctx.room - len(backlog)
                 while True:
                     # Into flight what was opened ahead, as far as the window
@@ -192,8 +205,9 @@ class AioStream:
                     key = self._keys[nxt]
                     est = max(1, key.num_tokens * self._bpt())
                     t0 = time.perf_counter()
+                    pool = self._pool_for(nxt)
                     try:
-                        op = self._begin(key)
+                        op = self._begin(key, pool)
                     except Exception as exc:
                         self._set(nxt, exc)
                         submitting = False
@@ -206,13 +220,13 @@ class AioStream:
                     piece = align_up(-(-len(op.buf) // n))  # n pieces of (about) one size
                     pieces = _pieces(len(op.buf), piece)
                     if not op.direct:
-                        op.abandon(self._pool)
+                        op.abandon(pool)
                         if pending or staged:
                             break  # read it alone once the reads ahead of it landed
                         self._set(nxt, self._sync(nxt))  # the file system refused O_DIRECT for it
                         nxt += 1
                         continue
-                    staged.append((nxt, _Read(op, est, t0, piece, len(pieces)), pieces))
+                    staged.append((nxt, _Read(op, pool, est, t0, piece, len(pieces)), pieces))
                     nxt += 1
                 if not ctx.inflight:
                     with self._cond:
@@ -235,11 +249,11 @@ class AioStream:
                     if errs and errno.EINVAL in errs:
                         # Refused, not failed: read it the ordinary way (which
                         # falls back to buffered if O_DIRECT itself is refused).
-                        r.op.abandon(self._pool)
+                        r.op.abandon(r.pool)
                         self._refused()
                         self._set(i, self._sync(i))
                     elif errs:
-                        r.op.abandon(self._pool)
+                        r.op.abandon(r.pool)
                         self._set(i, OSError(errs[0], f"read failed: {os.strerror(errs[0])}"))
                     else:
                         landed.append((i, r))
@@ -248,9 +262,9 @@ class AioStream:
         finally:
             self._contexts.give(ctx)  # waits for every read still in flight: their buffers are free after
             for r in pending.values():
-                r.op.abandon(self._pool)
+                r.op.abandon(r.pool)
             for _, r, _ in staged:
-                r.op.abandon(self._pool)
+                r.op.abandon(r.pool)
 
     def _landed(self, reads: list[tuple[int, "_Read"]]) -> None:
         """Queue landed reads (all of one reap: the lowest index among them
@@ -285,14 +299,14 @@ class AioStream:
                 wanted = i <= self._end and (self._consumed is None or i < self._consumed)
             if wanted:
                 try:
-                    val = self._finish(self._keys[i], r.op, r.got(), r.t0)
+                    val = self._finish(self._keys[i], r.op, r.got(), r.t0, r.pool)
                 except Exception as exc:
                     val = exc
                 if self._into is not None and isinstance(val, ChunkObject):
                     val = self._deliver(i, val)
                 self._set(i, val)
             else:
-                r.op.abandon(self._pool)
+                r.op.abandon(r.pool)
             with self._cond:
                 self._verifying -= 1
                 self._cond.notify_all()
@@ -303,10 +317,13 @@ class AioStream:
         None (a miss: the stream ends there) where no buffer of the payload's
         size waits for it. A copy is registered under the lock and ``stop``
         waits for the copies under way: once the consumer stopped, nothing
-        writes into its buffers."""
-        into = self._into
-        dst = into[i] if into is not None and i < len(into) else None
-        if dst is None or dst.nbytes != obj.header.payload_len:
+        writes into its buffers. An object read in its lent slot is there
+        already."""
+        if self._lent and i < len(self._into) and obj.header.payload_len == self._into.payload_bytes \
+                and self._into.lender(i).holds(obj.buf):
+            return obj
+        dst = slot(self._into, i, obj.header.payload_len)
+        if dst is None:
             obj.release()
             return None
         with self._cond:
@@ -412,10 +429,10 @@ class AioStream:
 class _Read:
     """One object's read in flight: its pieces' results as they land."""
 
-    __slots__ = ("op", "est", "t0", "piece", "left", "results")
+    __slots__ = ("op", "pool", "est", "t0", "piece", "left", "results")
 
-    def __init__(self, op: OpenRead, est: int, t0: float, piece: int, pieces: int):
-        self.op, self.est, self.t0, self.piece, self.left = op, est, t0, piece, pieces
+    def __init__(self, op: OpenRead, pool, est: int, t0: float, piece: int, pieces: int):
+        self.op, self.pool, self.est, self.t0, self.piece, self.left = op, pool, est, t0, piece, pieces
         self.results: dict[int, int] = {}
 
     def got(self) -> int:

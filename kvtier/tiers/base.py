@@ -52,7 +52,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import ClassVar, Iterator, Protocol, Sequence, runtime_checkable
 
-from kvtier.buffers import BufferPool, copy_into
+from kvtier.buffers import BufferPool, LoadBuffers, copy_into, slot
 from kvtier.codec import ChunkObject
 from kvtier.engine.breaker import CircuitBreaker
 from kvtier.keys import ChunkKey
@@ -128,23 +128,27 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None: ...
 
-    def load(self, keys: Sequence[ChunkKey], bufs: Sequence[memoryview], timeout: float | None = None) -> int:
-        """Copy the leading payloads into ``bufs`` (each exactly a payload long).
+    def load(self, keys: Sequence[ChunkKey], bufs: Sequence[memoryview] | LoadBuffers,
+             timeout: float | None = None) -> int:
+        """Load the leading payloads into ``bufs`` (each exactly a payload
+        long; or lent ``LoadBuffers``).
 
         A buffer whose size does not match the stored payload ends the prefix.
-        A tier with ``fetch_into`` copies where it verifies.
+        A tier with ``fetch_into`` copies where it verifies (or reads lent
+        buffers in place).
         """
         n = 0
-        views = [memoryview(b).cast("B") for b in bufs[: len(keys)]]
+        views = bufs[: len(keys)] if isinstance(bufs, LoadBuffers) else [memoryview(b).cast("B") for b in bufs[: len(keys)]]
         into = isinstance(self, FetchInto)
         it = self.fetch_into(keys[: len(views)], views, timeout) if into else self.fetch(keys[: len(views)], timeout)
         try:
-            for obj, buf in zip(it, views):
+            for obj in it:
                 try:
                     if not into:
-                        if buf.nbytes != obj.header.payload_len:
+                        dst = slot(views, n, obj.header.payload_len)
+                        if dst is None:
                             break
-                        copy_into(buf, obj.payload)
+                        copy_into(dst, obj.payload)
                     n += 1
                 finally:
                     self.done_with(obj)
@@ -183,10 +187,12 @@ class FetchInto(Protocol):
     (``PooledTier``: the directory, Redis and S3 tiers). ``TieredStore.load``
     uses it where a tier has it, and copies itself elsewhere."""
 
-    def fetch_into(self, keys: Sequence[ChunkKey], bufs: Sequence[memoryview],
+    def fetch_into(self, keys: Sequence[ChunkKey], bufs: Sequence[memoryview] | LoadBuffers,
                    timeout: float | None = None) -> Iterator[ChunkObject]:
-        """``fetch``, each object's payload copied into its buffer of ``bufs``
+        """``fetch``, each object's payload in its buffer of ``bufs``
         (unsigned bytes, one payload long each) before it is yielded; a buffer
-        of another size ends the fetch there. Nothing writes into ``bufs``
-        once the iterator is closed."""
+        of another size ends the fetch there. Nothing writes into the
+        caller's own ``bufs`` once the iterator is closed; lent ``bufs``
+        (``LoadBuffers``) may be read into in place, a late read landing in
+        a slot the next load does not reuse."""
         ...

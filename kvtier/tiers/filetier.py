@@ -151,11 +151,15 @@ class FileTier(PooledTier):
             log.warning("tier %s: the kernel refused native AIO reads under %s; reading with threads from now on",
                         self.name, self.dir.root)
 
-    def _begin_read(self, key: ChunkKey) -> OpenRead | None:
-        return self._judged(key, lambda: self.dir.open_read(key, True, self.pool))
+    def _begin_read(self, key: ChunkKey, pool=None) -> OpenRead | None:
+        """Open ``key`` for an AIO read into a buffer of ``pool`` (default:
+        the tier's; a load into lent buffers passes its slot's)."""
+        pool = self.pool if pool is None else pool
+        return self._judged(key, lambda: self.dir.open_read(key, True, pool))
 
-    def _finish_read(self, key: ChunkKey, op: OpenRead, got: int, t0: float) -> ChunkObject | None:
-        obj = self._judged(key, lambda: self.dir.finish_read(key, op, got, self.pool))
+    def _finish_read(self, key: ChunkKey, op: OpenRead, got: int, t0: float, pool=None) -> ChunkObject | None:
+        pool = self.pool if pool is None else pool
+        obj = self._judged(key, lambda: self.dir.finish_read(key, op, got, pool))
         if obj is not None:
             self._accepted(key, obj, op.mtime, t0)
         return obj

@@ -13,7 +13,7 @@ import time
 from concurrent.futures import Future, TimeoutError as FutureTimeout
 from typing import Iterator, Sequence
 
-from kvtier.buffers import copy_into
+from kvtier.buffers import copy_into, slot
 from kvtier.codec import ChunkObject
 from kvtier.engine.executor import LOAD, STORE, PriorityExecutor
 from kvtier.keys import ChunkKey
@@ -134,12 +134,7 @@ class PooledTier(Tier):
         return hits
 
     def fetch(self, keys: Sequence[ChunkKey], timeout: float | None = None) -> Iterator[ChunkObject]:
-        if not keys:
-            return iter(())
-        if not self.breaker.allow():
-            self.metrics.miss(len(keys))
-            return iter(())
-        return self._drain(self._stream(keys), keys, timeout, time.perf_counter())
+        return self._open(keys, None, timeout)
 
     def fetch_into(self, keys: Sequence[ChunkKey], bufs: Sequence[memoryview],
                    timeout: float | None = None) -> Iterator[ChunkObject]:
@@ -148,13 +143,19 @@ class PooledTier(Tier):
         yielded; a buffer of another size ends the fetch there. The copies
         run where the stream verifies objects if it can (``delivers``), else
         on the caller's thread; none is under way once the iterator is closed."""
+        return self._open(keys, bufs, timeout)
+
+    def _open(self, keys: Sequence[ChunkKey], bufs: Sequence[memoryview] | None,
+              timeout: float | None) -> Iterator[ChunkObject]:
+        """``fetch`` (``bufs`` None) or ``fetch_into``."""
         if not keys:
             return iter(())
         if not self.breaker.allow():
             self.metrics.miss(len(keys))
             return iter(())
         stream = self._stream(keys, bufs)
-        return self._drain(stream, keys, timeout, time.perf_counter(), None if stream.delivers else bufs)
+        copy_here = None if bufs is None or stream.delivers else bufs
+        return self._drain(stream, keys, timeout, time.perf_counter(), copy_here)
 
     def _stream(self, keys: Sequence[ChunkKey], into: Sequence[memoryview] | None = None) -> ReadStream:
         """The reader of one fetch: ``_read_one`` per key on the pool, within
@@ -171,10 +172,11 @@ class PooledTier(Tier):
         try:
             for obj in stream.iter(timeout):
                 if into is not None:
-                    if served >= len(into) or into[served].nbytes != obj.header.payload_len:
+                    dst = slot(into, served, obj.header.payload_len)
+                    if dst is None:
                         obj.release()
                         break
-                    copy_into(into[served], obj.payload)
+                    copy_into(dst, obj.payload)
                 served += 1
                 nbytes += obj.nbytes
                 # Counted when handed over: reads ahead of a miss or of an

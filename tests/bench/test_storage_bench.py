@@ -32,7 +32,7 @@ def test_bench_storage_cli_writes_table_and_json(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "kvtier.cli", "bench", "storage", "--dir", str(tmp_path / "d"), "--size", "48MiB",
          "--windows", "8MiB,32MiB", "--fio-depths", "1,8", "--repeats", "1", "--memory", "24MiB",
-         "--session-chunks", "8", "--read-modes", "auto,direct-aio,buffered,direct-aio-4k", "--json", str(out),
+         "--session-chunks", "8", "--read-modes", "auto,direct-aio,buffered,direct-aio-4k,direct-aio-lent", "--json", str(out),
          "--no-progress"],
         capture_output=True, text=True, timeout=300,
     )
@@ -52,7 +52,7 @@ def test_bench_storage_cli_writes_table_and_json(tmp_path):
     assert "fio same, files of 3.00MiB" in proc.stdout and "the ceiling of one file per object" in proc.stdout
     # Adaptive reads, and each path alone (O_DIRECT through AIO, the default;
     # buffered), each at every window: the operator sees which suits the storage.
-    modes = ("auto", "direct-aio", "buffered", "direct-aio-4k")
+    modes = ("auto", "direct-aio", "buffered", "direct-aio-4k", "direct-aio-lent")
     assert set(r["cold"]) == {f"{w} {m}" for w in ("8MiB", "32MiB") for m in modes}
     assert {v["read_mode"] for v in r["cold"].values()} == set(modes)
     # The default path with its buffers on 4 KiB pages reads O_DIRECT too.
@@ -70,6 +70,7 @@ def test_bench_storage_cli_writes_table_and_json(tmp_path):
     # measure O_DIRECT first (its first load is a warm-up, uncounted).
     n_loads = 2  # 16 chunks in sessions of 8, one repeat
     assert r["cold"]["8MiB direct-aio"]["loads_by_path"] == {"direct": n_loads, "buffered": 0}
+    assert r["cold"]["8MiB direct-aio-lent"]["loads_by_path"] == {"direct": n_loads, "buffered": 0}
     assert r["cold"]["8MiB buffered"]["loads_by_path"] == {"direct": 0, "buffered": n_loads}
     assert r["cold"]["8MiB auto"]["loads_by_path"] == {"direct": 2, "buffered": 0}
     assert "auto: loads read O_DIRECT/buffered, by window: 8MiB 2/0" in proc.stdout
@@ -87,14 +88,18 @@ def test_bench_storage_cli_writes_table_and_json(tmp_path):
     assert r["fio"][r["fio_cpu_job"]]["read_mode"] == fio_mode(best["read_mode"])
     assert r["cpu_vs_fio"] == pytest.approx(r["cold_cpu_s_per_gb"] / r["fio_cpu_s_per_gb"])
     assert "CPU per GB read (user + system): kvtier" in proc.stdout and "cores at 10 GB/s" in proc.stdout
-    # The part every verified load pays (copy, checksum) apart from the read machinery.
+    # The part that is not the read machinery: the checksum, and the copy
+    # unless the best load read in place into lent buffers.
     assert r["copy_cpu_s_per_gb"] > 0 and r["checksum_cpu_s_per_gb"] > 0
-    assert r["cpu_floor_s_per_gb"] == pytest.approx(r["copy_cpu_s_per_gb"] + r["checksum_cpu_s_per_gb"])
+    assert r["cpu_floor_copies"] == (best["read_mode"] != "direct-aio-lent")
+    copy = r["copy_cpu_s_per_gb"] if r["cpu_floor_copies"] else 0.0
+    assert r["cpu_floor_s_per_gb"] == pytest.approx(copy + r["checksum_cpu_s_per_gb"])
+    assert ("no copy: read in place into lent buffers" in proc.stdout) == (not r["cpu_floor_copies"])
     assert r["cpu_machinery_s_per_gb"] == pytest.approx(max(0.0, r["cold_cpu_s_per_gb"] - r["cpu_floor_s_per_gb"]))
     assert "the read machinery" in proc.stdout
     # Where the AIO path's loads had nothing in flight, and only for it.
     for label, v in r["cold"].items():
-        if v["read_mode"] in ("direct-aio", "direct-aio-4k"):
+        if v["read_mode"] in ("direct-aio", "direct-aio-4k", "direct-aio-lent"):
             idle = v["idle_ms"]
             assert idle["load"] > 0 and min(idle.values()) >= 0
             assert idle["start"] + idle["between"] + idle["tail"] <= idle["load"] * 1.001, label

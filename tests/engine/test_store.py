@@ -91,6 +91,26 @@ def test_load_ends_at_a_buffer_of_another_size_in_any_segment(open_store, short)
     assert [bytes(b) for b in two] == c.payloads[:2]
 
 
+def test_a_load_into_lent_buffers_serves_every_segment_and_what_memory_took_stays_intact(open_store):
+    """Chunks read in place into lent slots, copied into them from memory;
+    promoted objects that live in a slot's buffer keep it: the next load
+    into the same buffers writes elsewhere."""
+    store = open_store()
+    c = make_chunks(10)
+    _layered(store, c)
+    lb = store.load_buffers(10, len(c.payloads[0]))
+    assert store.load(c.keys, lb) == 10
+    assert [bytes(lb.payload(i)) for i in range(10)] == c.payloads
+    assert store.tier("memory").lookup(c.keys) == 10
+    d = make_chunks(10, seed=2)
+    store.tier("shared").store(d.objs)
+    assert store.load(d.keys, lb) == 10
+    assert [bytes(lb.payload(i)) for i in range(10)] == d.payloads
+    assert store.lookup(c.keys).segments == (Segment("memory", 0, 10),)
+    assert _load(store, c.keys) == c.payloads
+    assert store.load(c.keys[:3], lb[7:]) == 3 and [bytes(lb.payload(i)) for i in range(7, 10)] == c.payloads[:3]
+
+
 def test_lookup_stops_at_a_chunk_no_tier_holds(open_store):
     store = open_store()
     c = make_chunks(10)

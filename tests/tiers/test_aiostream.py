@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from kvtier.buffers import BufferPool, mapped_bytes
+from kvtier.buffers import BufferPool, LoadBuffers, mapped_bytes
 from kvtier.metrics import Metrics
 from kvtier.tiers import aio
 from kvtier.tiers.aiostream import AioStream
@@ -141,10 +141,10 @@ def test_a_slow_read_times_out_the_load_and_its_buffers_come_back_later(open_tie
     release = threading.Event()
     finish = tier._finish_read
 
-    def slow_finish(key, op, got, t0):  # the 4th object "lands" only when released
+    def slow_finish(key, op, got, t0, pool):  # the 4th object "lands" only when released
         if key == c.keys[3]:
             release.wait(10)
-        return finish(key, op, got, t0)
+        return finish(key, op, got, t0, pool)
 
     stream = AioStream(tier.executor, c.keys, tier._begin_read, slow_finish, tier._read_one, pool,
                        4 * OBJ, lambda: tier._bytes_per_token)
@@ -230,14 +230,14 @@ def _held_stream(tier, c, verifiers, into=None):
     gate, lock = threading.Event(), threading.Lock()
     started, running, peak = [], [0], [0]
 
-    def finish(key, op, got, t0):
+    def finish(key, op, got, t0, pool):
         with lock:
             started.append(c.keys.index(key))
             running[0] += 1
             peak[0] = max(peak[0], running[0])
         gate.wait(10)
         try:
-            return tier._finish_read(key, op, got, t0)
+            return tier._finish_read(key, op, got, t0, pool)
         finally:
             with lock:
                 running[0] -= 1
@@ -393,3 +393,64 @@ def test_stop_returns_only_once_a_copy_under_way_ended(open_tier, monkeypatch):
     assert began.wait(10)
     stream.stop(0)
     assert ended.is_set()
+
+
+# ---------------------------------------------------------------- lent buffers
+
+
+def test_a_load_into_lent_buffers_reads_each_object_in_its_slot_and_copies_nothing(open_tier, monkeypatch):
+    import kvtier.tiers.aiostream as aiostream
+
+    copies, real = [], aiostream.copy_into
+    monkeypatch.setattr(aiostream, "copy_into", lambda dst, src: (copies.append(1), real(dst, src)))
+    pool = CountingPool()
+    tier = open_tier(pool=pool)
+    c = make_chunks(10)
+    tier.store(c.objs)
+    lb = LoadBuffers(pool, 10, len(c.payloads[0]))
+    landed = []
+    for i, obj in enumerate(tier.fetch_into(c.keys, lb)):
+        landed.append(obj.buf.obj is lb._bufs[i].obj)  # the object is its slot
+        obj.release()
+    assert landed == [True] * 10 and not copies
+    assert [bytes(lb.payload(i)) for i in range(10)] == c.payloads
+    assert not any(lb._busy)  # every slot given back: the next load reads into the same buffers
+    assert tier.load(c.keys[:4], lb) == 4 and not copies
+
+
+def test_a_read_that_lands_after_the_load_gave_up_lands_in_a_slot_the_next_load_does_not_use(open_tier):
+    """The reason buffers are lent and not the caller's own: a late read
+    writes where nobody looks any more, and its buffer goes back to the pool
+    only once it landed."""
+    pool = CountingPool()
+    tier = open_tier(pool=pool)
+    c = make_chunks(6)
+    tier.store(c.objs)
+    lb = LoadBuffers(pool, 6, len(c.payloads[0]))
+    release, finish = threading.Event(), tier._finish_read
+
+    def slow_finish(key, op, got, t0, pool):  # the 4th object's read "lands" only when released
+        if key == c.keys[3]:
+            release.wait(10)
+        return finish(key, op, got, t0, pool)
+
+    stream = AioStream(tier.executor, c.keys, tier._begin_read, slow_finish, tier._read_one, pool,
+                       64 * OBJ, lambda: tier._bytes_per_token, into=lb)
+    got = list(stream.iter(0.5))
+    assert len(got) == 3 and stream.failed is not None
+    for o in got:
+        o.release()
+    late = lb._bufs[3]
+    assert lb._busy[3]  # still the late read's
+    dst = lb.writable(3)  # the next load, copying into slot 3
+    assert dst.obj is not late.obj
+    dst[:] = b"\x07" * dst.nbytes
+    kept = pool._kept
+    release.set()
+    end = time.monotonic() + 10
+    while pool._kept == kept and time.monotonic() < end:  # the late object was let go
+        time.sleep(0.005)
+    assert pool._kept == kept + mapped_bytes(late)
+    assert bytes(lb.payload(3)) == b"\x07" * dst.nbytes and lb._bufs[3].obj is dst.obj
+    # The next load reads every slot again, the new buffer of slot 3 included.
+    assert tier.load(c.keys, lb) == 6 and [bytes(lb.payload(i)) for i in range(6)] == c.payloads
