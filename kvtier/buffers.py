@@ -256,6 +256,8 @@ class LoadBuffers:
     either's chunks).
     """
 
+    __slots__ = ("payload_bytes", "_offset", "_object_bytes", "_pool", "_lock", "_bufs", "_busy", "_start", "_stop")
+
     def __init__(self, pool: "BufferPool", count: int, payload_bytes: int, offset: int = ALIGN):
         if payload_bytes <= 0 or count < 0:
             raise ValueError(f"{count} buffers of {payload_bytes} B: need a positive payload size")
@@ -277,8 +279,9 @@ class LoadBuffers:
         start, stop, step = index.indices(len(self))
         if step != 1:
             raise ValueError("LoadBuffers: slices take consecutive slots")
-        view = object.__new__(LoadBuffers)
-        view.__dict__.update(self.__dict__)
+        view = object.__new__(LoadBuffers)  # shares every slot (the lists and the lock)
+        view.payload_bytes, view._offset, view._object_bytes = self.payload_bytes, self._offset, self._object_bytes
+        view._pool, view._lock, view._bufs, view._busy = self._pool, self._lock, self._bufs, self._busy
         view._start, view._stop = self._start + start, self._start + max(start, stop)
         return view
 

@@ -80,6 +80,9 @@ class TieredStore:
                 t.close()
             raise
         self._by_name = {t.name: t for t in self.tiers}
+        # Tiers that fill a load's buffers themselves (``FetchInto``), asked
+        # once: a runtime protocol check costs tens of microseconds a call.
+        self._fills = {t.name for t in self.tiers if isinstance(t, FetchInto)}
         # Buffers of whole huge pages for O_DIRECT reads, unless a tier keeps
         # what it is handed (they would hold up to a third more memory each).
         self.pool.whole_reads = not any(t.keeps_buffers for t in self.tiers)
@@ -141,7 +144,7 @@ class TieredStore:
         for s in plan.segments:
             tier = self._by_name[s.tier]
             part = keys[s.start : s.stop]
-            if into is not None and isinstance(tier, FetchInto):
+            if into is not None and s.tier in self._fills:
                 streams.append((tier, len(part), tier.fetch_into(part, into[s.start : s.stop], timeout), None))
             else:
                 streams.append((tier, len(part), tier.fetch(part, timeout), None if into is None else into[s.start : s.stop]))

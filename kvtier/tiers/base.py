@@ -139,7 +139,7 @@ class Tier(abc.ABC):
         """
         n = 0
         views = bufs[: len(keys)] if isinstance(bufs, LoadBuffers) else [memoryview(b).cast("B") for b in bufs[: len(keys)]]
-        into = isinstance(self, FetchInto)
+        into = callable(getattr(self, "fetch_into", None))  # FetchInto, without the slow protocol check
         it = self.fetch_into(keys[: len(views)], views, timeout) if into else self.fetch(keys[: len(views)], timeout)
         try:
             for obj in it:
