@@ -5,7 +5,8 @@
     fetch(keys, ...)    -> iterator over the leading objects it can serve,
                            verified, in order; stops at the first miss
     done_with(obj)      -> the consumer of ``fetch`` is done with ``obj``
-    load(keys, bufs)    -> copy leading payloads into caller-owned buffers
+    load(keys, bufs)    -> leading payloads into the caller's buffers (or lent
+                           ``LoadBuffers``); how many
     store(objs)         -> how many leading objects are now held
     store_async(objs)   -> a future of ``store(objs)`` (write-through)
     delete(keys)        -> how many were removed
