@@ -260,7 +260,7 @@ class LoadBuffers:
 
     def __init__(self, pool: "BufferPool", count: int, payload_bytes: int, offset: int = ALIGN):
         if payload_bytes <= 0 or count < 0:
-            raise ValueError(f"{count} buffers of {payload_bytes} B: need a positive payload size")
+            raise ValueError(f"{count} buffers of {payload_bytes} B: need a count of 0 or more and a positive payload size")
         self.payload_bytes = payload_bytes
         self._offset = offset
         self._object_bytes = offset + align_up(payload_bytes)
@@ -342,7 +342,6 @@ class _Lender:
     anything else (a header read first, an object of another size)."""
 
     __slots__ = ("_bufs", "_j")
-    lends = True
 
     def __init__(self, bufs: LoadBuffers, j: int):
         self._bufs, self._j = bufs, j
