@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from kvtier.buffers import BufferPool, LoadBuffers
 from kvtier.tiers.base import Tier
 from tests.support import (
     OBJ,
@@ -130,6 +131,21 @@ def test_load_into_views_of_one_caller_buffer(tier):
     views = [memoryview(big)[i * size : (i + 1) * size] for i in range(4)]
     assert tier.load(c.keys, views) == 4
     assert bytes(big) == b"".join(c.payloads)
+
+
+def test_load_into_lent_buffers_and_again_into_the_same(tier):
+    """Buffers a store lends (``LoadBuffers``): read in place where the tier
+    can, copied into elsewhere; reused by the next load; another payload
+    size loads nothing."""
+    c = make_chunks(5)
+    tier.store(c.objs[:4])
+    lent = LoadBuffers(BufferPool(), 5, len(c.payloads[0]))
+    for _ in range(2):
+        assert tier.load(c.keys, lent) == 4
+        assert [bytes(lent.payload(i)) for i in range(4)] == c.payloads[:4]
+    assert tier.load(c.keys[1:], lent[2:]) == 3
+    assert [bytes(lent.payload(i)) for i in range(2, 5)] == c.payloads[1:4]
+    assert tier.load(c.keys, LoadBuffers(BufferPool(), 2, len(c.payloads[0]) + 4096)) == 0
 
 
 def test_load_stops_at_a_wrong_size_buffer(tier):
