@@ -215,6 +215,14 @@ def slot(bufs: "Sequence[memoryview] | LoadBuffers | None", i: int, nbytes: int)
     return bufs[i] if bufs[i].nbytes == nbytes else None
 
 
+def load_views(bufs: "Sequence | LoadBuffers", n: int) -> "list[memoryview] | LoadBuffers":
+    """The first ``n`` of a load's buffers as it fills them: lent ones as
+    they are, the caller's own as unsigned-byte views."""
+    if isinstance(bufs, LoadBuffers):
+        return bufs[:n]
+    return [memoryview(b).cast("B") for b in bufs[:n]]
+
+
 def copy_into(dst: memoryview, src: memoryview) -> None:
     """memcpy(dst, src) with the GIL released (ctypes foreign calls drop it).
 

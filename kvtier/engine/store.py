@@ -20,7 +20,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
-from kvtier.buffers import BufferPool, LoadBuffers, copy_into, slot
+from kvtier.buffers import BufferPool, LoadBuffers, copy_into, load_views, slot
 from kvtier.codec import HEADER_BLOCK, ChunkObject, encode
 from kvtier.config import StoreConfig, TierSpec
 from kvtier.engine.breaker import CircuitBreaker
@@ -184,8 +184,7 @@ class TieredStore:
         Returns how many leading chunks were loaded; the content of the other
         buffers is undefined."""
         n = 0
-        views = bufs[: len(keys)] if isinstance(bufs, LoadBuffers) else [memoryview(b).cast("B") for b in bufs[: len(keys)]]
-        it = self._fetch(keys[: len(bufs)], plan, None, views)
+        it = self._fetch(keys[: len(bufs)], plan, None, load_views(bufs, len(keys)))
         try:
             for _ in it:
                 n += 1

@@ -183,7 +183,7 @@ class AioStream:
                     limit = self._end if self._consumed is None else min(self._end, self._consumed)
                 submitting = nxt < limit
                 while staged and staged[-1][0] >= limit:  # past a miss, or the consumer stopped
-                    i, r, _ = staged.pop()
+                    r = staged.pop()[1]
                     r.op.abandon(r.pool)
                 room = ctx.room - len(backlog)
                 while True:

@@ -53,7 +53,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import ClassVar, Iterator, Protocol, Sequence, runtime_checkable
 
-from kvtier.buffers import BufferPool, LoadBuffers, copy_into, slot
+from kvtier.buffers import BufferPool, LoadBuffers, copy_into, load_views, slot
 from kvtier.codec import ChunkObject
 from kvtier.engine.breaker import CircuitBreaker
 from kvtier.keys import ChunkKey
@@ -139,7 +139,7 @@ class Tier(abc.ABC):
         buffers in place).
         """
         n = 0
-        views = bufs[: len(keys)] if isinstance(bufs, LoadBuffers) else [memoryview(b).cast("B") for b in bufs[: len(keys)]]
+        views = load_views(bufs, len(keys))
         into = callable(getattr(self, "fetch_into", None))  # FetchInto, without the slow protocol check
         it = self.fetch_into(keys[: len(views)], views, timeout) if into else self.fetch(keys[: len(views)], timeout)
         try:
