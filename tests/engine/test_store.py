@@ -135,6 +135,25 @@ def test_load_reads_each_segment_from_its_tier_and_promotes_into_memory(open_sto
     assert metrics.value("kvtier_hit_chunks_total", tier="memory") == 13
 
 
+def test_a_load_given_no_plan_does_not_ask_the_last_tier_whose_read_stops_at_its_first_miss(
+        open_store, metrics, monkeypatch):
+    store = open_store()
+    c = make_chunks(12)
+    _layered(store, c)  # memory 0-2, disk 0-6, shared 0-9; no tier holds 10-11
+    asked = []
+    for name in ("memory", "disk", "shared"):
+        tier = store.tier(name)
+        monkeypatch.setattr(tier, "lookup", lambda keys, *a, _ask=tier.lookup, _name=name: asked.append(_name) or _ask(keys, *a))
+    assert _load(store, c.keys) == c.payloads[:10]
+    assert set(asked) == {"memory", "disk"}  # the shared tier's own read found where its chunks end
+    hits = {t: metrics.value("kvtier_hit_chunks_total", tier=t) for t in ("memory", "disk", "shared")}
+    assert hits == {"memory": 3, "disk": 4, "shared": 3}
+    assert metrics.value("kvtier_miss_chunks_total", tier="shared") == 2
+    # a lookup still asks every tier
+    asked.clear()
+    assert store.lookup(c.keys).chunks == 10 and "shared" in asked
+
+
 def test_load_without_promotion_leaves_memory_as_it_was(open_store):
     store = open_store(promote=False)
     c = make_chunks(10)
