@@ -53,6 +53,15 @@ _MAX_PIECES = 64  # reads one object is cut into at most (request ids: index * _
 # How long the driver waits for completions before looking whether the
 # consumer stopped (a stopped stream submits nothing more).
 _POLL_S = 0.05
+# What of a load's bytes not landed yet may be in flight at once (besides
+# the window): reads in flight together land together, and an object is
+# verified only once it landed, so a load whose last reads all land at
+# once then waits for all their checks. Tapered, each batch of reads lands
+# while the next is still on the device, and its checks run then: with
+# three quarters, each batch is a quarter of the one before, which hides
+# its checks wherever they run at least 4x the device's rate (XXH3: about
+# 20 GB/s a core). Measured in docs/benchmarks.md, "A tapered window".
+_TAPER = 0.75
 
 
 class AioStream:
@@ -67,6 +76,12 @@ class AioStream:
     disk that serves the reads in flight side by side, they land together,
     and opening their successors only then left the device idle for 1-3 ms
     of every window (measured in docs/benchmarks.md).
+
+    Nor is more than three quarters of what has not landed yet in flight
+    (``_TAPER``): reads in flight together land together, so the load's
+    reads land in shrinking batches, each checked while the next is on the
+    device, and the load ends with the checks of a few objects, not of a
+    window's worth.
 
     An object larger than ``piece_bytes`` is read as several requests of
     about one size (a 3 MiB chunk goes whole; cutting it in 0.5-1 MiB pieces
@@ -177,6 +192,7 @@ class AioStream:
         staged: deque[tuple[int, _Read, list]] = deque()  # opened, waiting for room in the window
         backlog: list[tuple[int, int, int, int, int]] = []  # pieces the kernel has not taken yet
         nxt, inflight = 0, 0
+        keys_left, tokens_left = len(self._keys), sum(k.num_tokens for k in self._keys)  # not landed yet
         try:
             while True:
                 with self._cond:
@@ -190,7 +206,9 @@ class AioStream:
                     # Into flight what was opened ahead, as far as the window
                     # allows: a read that lands is replaced by one submit call,
                     # not by an open on the driver's critical path.
-                    while staged and (len(pending) < MIN_INFLIGHT or inflight + staged[0][1].est <= self._window) \
+                    bpt = self._bpt()
+                    cap = min(self._window, int(_TAPER * (tokens_left * bpt if bpt > 0 else keys_left)))
+                    while staged and (len(pending) < MIN_INFLIGHT or inflight + staged[0][1].est <= cap) \
                             and len(staged[0][2]) <= room:
                         i, r, pieces = staged.popleft()
                         pending[i] = r
@@ -245,6 +263,7 @@ class AioStream:
                         continue
                     del pending[i]
                     inflight -= r.est
+                    keys_left, tokens_left = keys_left - 1, tokens_left - self._keys[i].num_tokens
                     errs = [-x for x in r.results.values() if x < 0]
                     if errs and errno.EINVAL in errs:
                         # Refused, not failed: read it the ordinary way (which

@@ -316,6 +316,29 @@ def test_a_window_smaller_than_an_object_keeps_two_reads_in_flight(open_tier):
     assert peak == MIN_INFLIGHT == 2  # one piece per object: no more than the floor either
 
 
+def test_a_load_keeps_a_quarter_of_what_is_left_off_the_device_so_its_last_reads_land_few(open_tier, monkeypatch):
+    """Reads in flight together land together, and each is checked once
+    landed: with the whole load in flight, the load would end with every
+    object's check. Tapered (three quarters of what has not landed), the
+    reads land in shrinking batches, each checked while the next is read."""
+    tier = open_tier(read_window_bytes=64 * OBJ)  # room for the whole load
+    c = make_chunks(16)
+    tier.store(c.objs)
+    assert _payloads(tier, c.keys[:1]) == c.payloads[:1]  # the tier learns its objects' size
+    seen = []  # reads in flight whenever the driver waits for some to land
+    reap = aio.AioContext.reap
+
+    def slow_reap(ctx, min_nr, timeout_s):
+        seen.append(ctx.inflight)
+        time.sleep(0.02)  # every read in flight has landed by then
+        return reap(ctx, min_nr, timeout_s)
+
+    monkeypatch.setattr(aio.AioContext, "reap", slow_reap)
+    assert _payloads(tier, c.keys) == c.payloads
+    assert seen[0] == 12  # not 16: three quarters of the load
+    assert seen[1:] == [3, 1]  # then three quarters of the four left, then the last
+
+
 def _bufs(c) -> list[memoryview]:
     return [memoryview(bytearray(len(p))) for p in c.payloads]
 
