@@ -23,6 +23,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 import weakref
 from concurrent.futures import Future
 from typing import Any, Callable, Iterable
@@ -55,18 +56,30 @@ def place_io_threads(cpus: Iterable[int] | None) -> None:
                 pass
 
 
+_AFFINITY_TTL_S = 1.0
+_affinity: tuple[float, int] | None = None  # (when read, CPUs): the process's affinity, read at most once a second
+
+
 def usable_cpus() -> int:
     """How many CPUs kvtier's threads of this process may run on: the
-    placement's, else the process's affinity (a container's cpuset), else
-    the machine's count."""
+    placement's, else the process's affinity (a container's cpuset, read
+    again after a second: every load asks, and the system call with its
+    set of 1024 possible CPUs was the largest Python cost of a 2k load),
+    else the machine's count."""
+    global _affinity
     with _placement_lock:
         cpus = _io_cpus
     if cpus is not None:
         return max(1, len(cpus))
+    now, seen = time.monotonic(), _affinity
+    if seen is not None and now - seen[0] < _AFFINITY_TTL_S:
+        return seen[1]
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        n = max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
+        n = max(1, os.cpu_count() or 1)
+    _affinity = (now, n)
+    return n
 
 
 def _start_placed() -> None:
