@@ -62,10 +62,10 @@ _affinity: tuple[float, int] | None = None  # (when read, CPUs): the process's a
 
 def usable_cpus() -> int:
     """How many CPUs kvtier's threads of this process may run on: the
-    placement's, else the process's affinity (a container's cpuset, read
-    again after a second: every load asks, and the system call with its
-    set of 1024 possible CPUs was the largest Python cost of a 2k load),
-    else the machine's count."""
+    placement's, else the process's affinity (a container's cpuset; read
+    again after a second: every load asks, and the system call was the
+    largest Python-side cost of a 2k load in a py-spy profile), else the
+    machine's count."""
     global _affinity
     with _placement_lock:
         cpus = _io_cpus
