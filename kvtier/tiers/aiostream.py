@@ -193,7 +193,7 @@ class AioStream:
         staged: deque[tuple[int, _Read, list]] = deque()  # opened, waiting for room in the window
         backlog: list[tuple[int, int, int, int, int]] = []  # pieces the kernel has not taken yet
         nxt, inflight = 0, 0
-        keys_left, tokens_left = len(self._keys), sum(k.num_tokens for k in self._keys)  # not landed yet
+        tokens_left = sum(k.num_tokens for k in self._keys)  # of the reads not landed yet
         try:
             while True:
                 with self._cond:
@@ -207,8 +207,7 @@ class AioStream:
                     # Into flight what was opened ahead, as far as the window
                     # allows: a read that lands is replaced by one submit call,
                     # not by an open on the driver's critical path.
-                    bpt = self._bpt()
-                    cap = min(self._window, int(_TAPER * (tokens_left * bpt if bpt > 0 else keys_left)))
+                    cap = min(self._window, int(_TAPER * tokens_left * self._bpt()))
                     while staged and (len(pending) < MIN_INFLIGHT or inflight + staged[0][1].est <= cap) \
                             and len(staged[0][2]) <= room:
                         i, r, pieces = staged.popleft()
@@ -264,7 +263,7 @@ class AioStream:
                         continue
                     del pending[i]
                     inflight -= r.est
-                    keys_left, tokens_left = keys_left - 1, tokens_left - self._keys[i].num_tokens
+                    tokens_left -= self._keys[i].num_tokens
                     errs = [-x for x in r.results.values() if x < 0]
                     if errs and errno.EINVAL in errs:
                         # Refused, not failed: read it the ordinary way (which
