@@ -50,6 +50,7 @@ _HEAD = struct.Struct("<8sHHI32s16s32s16sB7s8QIQ16s")
 _CRC = struct.Struct("<I")
 HEADER_STRUCT_SIZE = _HEAD.size + _CRC.size  # 216
 _ZEROS = bytes(HEADER_BLOCK)  # reference for padding checks (either kind is shorter)
+_HEADER_PAD = _ZEROS[HEADER_STRUCT_SIZE:]  # what follows the header in its block
 
 DTYPE_SIZES = {
     "float32": 4,
@@ -266,9 +267,11 @@ def decode(buf: memoryview, key: ChunkKey, expect_len: int | None = None, pool: 
     # Padding is zero by format; a nonzero byte there is damage the checksums
     # do not cover, and damaged storage is not to be trusted.
     end = HEADER_BLOCK + header.payload_len
+    # Compared as bytes (a memcmp): a memoryview compares item by item, 8 us
+    # for a header block, a tenth of the check of a 3 MiB payload.
     if (
-        buf[HEADER_STRUCT_SIZE:HEADER_BLOCK] != _ZEROS[HEADER_STRUCT_SIZE:]
-        or buf[end : header.object_len] != _ZEROS[: header.object_len - end]
+        bytes(buf[HEADER_STRUCT_SIZE:HEADER_BLOCK]) != _HEADER_PAD
+        or bytes(buf[end : header.object_len]) != _ZEROS[: header.object_len - end]
     ):
         raise CorruptObject("nonzero bytes in the padding")
     if not header.matches(key):

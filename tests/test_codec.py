@@ -198,6 +198,20 @@ def test_flipping_any_byte_is_detected(which, pos, flip):
         _decode(bytes(b))
 
 
+@pytest.mark.parametrize("where", ["first after the header", "last of the header block", "first of the payload's padding",
+                                   "last of the payload's padding"])
+def test_a_nonzero_byte_in_either_padding_is_detected(where):
+    """Neither checksum covers the padding: only the reader's zero check does."""
+    end = HEADER_BLOCK + len(BIG_PAYLOAD)
+    pos = {"first after the header": HEADER_STRUCT_SIZE, "last of the header block": HEADER_BLOCK - 1,
+           "first of the payload's padding": end, "last of the payload's padding": len(BIG_VALID) - 1}[where]
+    b = bytearray(BIG_VALID)
+    assert b[pos] == 0
+    b[pos] = 1
+    with pytest.raises(CorruptObject, match="padding"):
+        _decode(bytes(b))
+
+
 @FUZZ
 @given(which=st.sampled_from(["small", "big"]), length=st.integers(min_value=0))
 def test_truncation_at_any_length_is_detected(which, length):
