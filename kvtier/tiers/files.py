@@ -13,10 +13,11 @@ path. Objects are published by ``rename`` from ``tmp/`` (same file system), so
 a reader sees either no file or a complete one. Files are opened with
 O_NOFOLLOW and created 0600 in 0700 directories.
 
-Why one module of about 580 lines: it is one class (and the handle of a
+Why one module of about 600 lines: it is one class (and the handle of a
 write in progress) that owns every path operation a tier makes, each opening
-folders one level at a time with O_NOFOLLOW; kept together, that rule can be
-checked in one place.
+folders one level at a time with O_NOFOLLOW (reads: the whole path in one
+``openat2`` that follows no symlink, where the kernel has it, beneath.py);
+kept together, that rule can be checked in one place.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from kvtier.codec import HEADER_BLOCK, MAX_PAYLOAD, ChunkObject, Header, decode,
 from kvtier.config import ConfigError
 from kvtier.errors import CorruptObject
 from kvtier.keys import ChunkKey
+from kvtier.tiers import beneath
 
 
 log = logging.getLogger(__name__)
@@ -216,16 +218,7 @@ class ObjectDir:
         all of ``buf``, whose length is aligned) and calls ``finish_read``,
         or ``abandon``. Raises like ``read``."""
         parts, name = self._rel(key)
-        try:
-            dfd = self._open_dir(parts)
-        except OSError as exc:
-            if exc.errno in _NOT_OURS:
-                raise CorruptObject(f"a symlink or file where a folder belongs ({exc.strerror})") from None
-            raise
-        try:
-            fd, direct = self._open_object(dfd, name, o_direct)
-        finally:
-            os.close(dfd)
+        fd, direct = self._open_object_beneath(parts, name, o_direct)
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -257,25 +250,59 @@ class ObjectDir:
             pool.put(op.buf)
             raise
 
-    def _open_object(self, dfd: int, name: str, o_direct: bool) -> tuple[int, bool]:
+    def _open_object_beneath(self, parts: Sequence[str], name: str, o_direct: bool) -> tuple[int, bool]:
+        """Open ``base/parts.../name`` for reading, following no symlink
+        below ``base``: in one ``openat2`` where the kernel has it (beneath.py),
+        else folder by folder. Raises CorruptObject for a symlink or a file
+        where a folder or the object belongs."""
+        if not beneath.available():
+            try:
+                dfd = self._open_dir(parts)
+            except OSError as exc:
+                if exc.errno in _NOT_OURS:
+                    raise CorruptObject(f"a symlink or file where a folder belongs ({exc.strerror})") from None
+                raise
+            try:
+                return self._open_object(dfd, name, o_direct)
+            finally:
+                os.close(dfd)
+        bfd = -1
+        try:
+            bfd = os.open(self.base, _DIR_FLAGS)  # never created here (``_open_dir``)
+            return self._open_object(bfd, "/".join((*parts, name)), o_direct, beneath.open_beneath)
+        except OSError as exc:
+            if exc.errno in _NOT_OURS:
+                raise CorruptObject(f"a symlink or file on the object's path ({exc.strerror})") from None
+            raise
+        finally:
+            if bfd >= 0:
+                os.close(bfd)
+
+    def _open_object(self, dfd: int, name: str, o_direct: bool,
+                     open_at: Callable[[int, str, int], int] | None = None) -> tuple[int, bool]:
+        """Open ``name`` under folder ``dfd`` with O_NOFOLLOW (O_DIRECT where
+        asked and allowed); ``open_at(dfd, name, flags)`` opens (default: a
+        plain ``openat``)."""
+        what = "the object is a symlink" if open_at is None else "a symlink on the object's path"
+        open_at = open_at or (lambda d, n, f: os.open(n, f, dir_fd=d))
         # O_NONBLOCK: a FIFO planted under an object's name must not block
         # the reader (it has no effect on regular files).
         flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
         try:
             if o_direct and self.direct_ok and _O_DIRECT:
                 try:
-                    return os.open(name, flags | _O_DIRECT, dir_fd=dfd), True
+                    return open_at(dfd, name, flags | _O_DIRECT), True
                 except OSError as exc:
                     if exc.errno != errno.EINVAL:
                         raise
-                fd = os.open(name, flags, dir_fd=dfd)
+                fd = open_at(dfd, name, flags)
                 if stat.S_ISREG(os.fstat(fd).st_mode):
                     self.direct_ok = False  # this file system refuses O_DIRECT
                 return fd, False
-            return os.open(name, flags, dir_fd=dfd), False
+            return open_at(dfd, name, flags), False
         except OSError as exc:
             if exc.errno == errno.ELOOP:
-                raise CorruptObject("the object is a symlink") from None
+                raise CorruptObject(what) from None
             raise
 
     def header_at(self, path: Path) -> Header:

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import shutil
@@ -31,6 +32,7 @@ from kvtier.codec import HEADER_BLOCK, HEADER_STRUCT_SIZE, parse_header
 from kvtier.errors import CorruptObject
 from kvtier.keys import ChunkKey, Namespace, chunk_keys
 from kvtier.metrics import Metrics
+from kvtier.tiers import beneath
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.files import ObjectDir
 from kvtier.tiers.shared import SharedTier
@@ -114,6 +116,17 @@ def test_any_digest_names_a_file_inside_the_objects_folder(tmp_path):
 # ---------------------------------------------------------------- planted symlinks
 
 
+@pytest.fixture(params=["openat2", "folder by folder"])
+def resolution(request, monkeypatch):
+    """Reads resolve an object's path in one ``openat2`` where the kernel
+    has it, else folder by folder: planted links are refused both ways."""
+    if request.param == "openat2":
+        assert beneath.available(), "this kernel has no openat2 (Linux 5.6+): the fallback alone is tested"
+    else:
+        monkeypatch.setattr(beneath, "_available", False)
+    return request.param
+
+
 def _valid_copy_outside(tier, key, outside: Outside, name: str) -> Path:
     """A genuine object for ``key`` placed outside the store: if kvtier read
     through a link to it, it would even verify."""
@@ -122,7 +135,7 @@ def _valid_copy_outside(tier, key, outside: Outside, name: str) -> Path:
     return p
 
 
-def test_an_object_that_is_a_symlink_is_neither_read_nor_followed(tmp_path, outside):
+def test_an_object_that_is_a_symlink_is_neither_read_nor_followed(tmp_path, outside, resolution):
     metrics = Metrics()
     tier = _shared(tmp_path, metrics)
     c = make_chunks(2)
@@ -143,7 +156,7 @@ def test_an_object_that_is_a_symlink_is_neither_read_nor_followed(tmp_path, outs
 
 
 @pytest.mark.parametrize("where", ["fanout", "namespace", "objects"])
-def test_a_symlinked_folder_is_never_read_written_or_emptied_through(tmp_path, outside, where):
+def test_a_symlinked_folder_is_never_read_written_or_emptied_through(tmp_path, outside, where, resolution):
     metrics = Metrics()
     tier = _shared(tmp_path, metrics, high_watermark=0.5, low_watermark=0.25)
     c = make_chunks(3)
@@ -202,7 +215,7 @@ def test_sweeps_never_delete_through_a_symlinked_folder(tmp_path, outside, folde
 # ---------------------------------------------------------------- FIFOs and huge files
 
 
-def test_a_fifo_planted_as_an_object_does_not_block_a_reader(tmp_path):
+def test_a_fifo_planted_as_an_object_does_not_block_a_reader(tmp_path, resolution):
     metrics = Metrics()
     tier = _shared(tmp_path, metrics)
     c = make_chunks(1)
@@ -325,3 +338,49 @@ def test_a_large_genuine_object_is_read_whole(tmp_path, o_direct):
         assert got == [True]
     finally:
         tier.close()
+
+
+def test_openat2_refuses_links_files_for_folders_and_escapes_on_any_component(tmp_path, outside):
+    """``open_beneath``: what ``ObjectDir`` relies on when it opens an
+    object's whole path in one call."""
+    assert beneath.available()
+    base = tmp_path / "base"
+    (base / "a" / "b").mkdir(parents=True)
+    (base / "a" / "b" / "f").write_bytes(b"ours")
+    (base / "a" / "file").write_bytes(b"")
+    os.symlink(outside.root, base / "a" / "link")
+    os.symlink(base / "a" / "b" / "f", base / "a" / "b" / "flink")
+    (outside.root / "b").mkdir()
+    (outside.root / "b" / "f").write_bytes(b"not ours")
+    bfd = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fd = beneath.open_beneath(bfd, "a/b/f", os.O_RDONLY)
+        assert os.read(fd, 10) == b"ours"
+        os.close(fd)
+        for path, err in (("a/link/b/f", errno.ELOOP), ("a/b/flink", errno.ELOOP), ("a/file/f", errno.ENOTDIR),
+                          ("../base/a/b/f", errno.EXDEV), (str(base / "a" / "b" / "f"), errno.EXDEV)):
+            with pytest.raises(OSError) as exc:
+                beneath.open_beneath(bfd, path, os.O_RDONLY)
+            assert exc.value.errno == err, path
+        with pytest.raises(FileNotFoundError):
+            beneath.open_beneath(bfd, "a/b/missing", os.O_RDONLY)
+    finally:
+        os.close(bfd)
+
+
+def test_a_read_opens_the_objects_path_in_one_call_where_the_kernel_can(tmp_path, monkeypatch):
+    """No folder is opened one by one on a read (each is a round trip to a
+    network file system's metadata server), unless openat2 is missing."""
+    tier = _shared(tmp_path)
+    c = make_chunks(2)
+    tier.store(c.objs)
+    walked = []
+    real = ObjectDir._open_dir
+    monkeypatch.setattr(ObjectDir, "_open_dir", lambda self, parts, create=False: (walked.append(parts),
+                                                                                   real(self, parts, create))[1])
+    assert _fetch_all(tier, c.keys) == c.payloads
+    assert walked == []
+    monkeypatch.setattr(beneath, "_available", False)
+    assert _fetch_all(tier, c.keys) == c.payloads
+    assert [p[0] for p in walked] == ["objects", "objects"]
+    tier.close()
