@@ -195,7 +195,7 @@ class DiskTier(FileTier):
             used = self._used
         self.metrics.used(used)
 
-    def _touched(self, key: ChunkKey, mtime: float) -> None:
+    def _touched(self, key: ChunkKey, mtime: float, fd: int | None = None) -> None:
         with self._lock:
             if key.digest in self._index:
                 self._index.move_to_end(key.digest)

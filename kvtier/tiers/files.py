@@ -82,6 +82,10 @@ class OpenRead:
     buf: memoryview
     mtime: float
 
+    def close(self) -> None:
+        """Close the file (after ``finish_read(close=False)``)."""
+        os.close(self.fd)
+
     def abandon(self, pool: BufferPool) -> None:
         """Give up the read: close the file, return the buffer (only once no
         read into it is in flight)."""
@@ -239,11 +243,13 @@ class ObjectDir:
             os.close(fd)
             raise
 
-    def finish_read(self, key: ChunkKey, op: "OpenRead", got: int, pool: BufferPool) -> ChunkObject:
-        """The second half of ``read``: close the file and verify the ``got``
-        bytes read into ``op.buf`` (raises CorruptObject; the buffer goes
-        back to ``pool`` then)."""
-        os.close(op.fd)
+    def finish_read(self, key: ChunkKey, op: "OpenRead", got: int, pool: BufferPool, close: bool = True) -> ChunkObject:
+        """The second half of ``read``: close the file (unless ``close`` is
+        False: the caller closes ``op.fd``) and verify the ``got`` bytes read
+        into ``op.buf`` (raises CorruptObject; the buffer goes back to
+        ``pool`` then)."""
+        if close:
+            os.close(op.fd)
         try:
             return decode(op.buf, key, got, pool)
         except BaseException:
@@ -398,14 +404,18 @@ class ObjectDir:
         finally:
             os.close(dfd)
 
-    def stamp(self, key: ChunkKey, mtime: float, interval_s: float) -> None:
+    def stamp(self, key: ChunkKey, mtime: float, interval_s: float, fd: int | None = None) -> None:
         """Recency: stamp ``key``'s mtime now, unless its stamp (``mtime``)
-        is younger than ``interval_s``; an object gone meanwhile is left be."""
+        is younger than ``interval_s``; an object gone meanwhile is left be.
+        ``fd``: the object's file, open (a read's): stamped through it."""
         now = time.time()
         if now - mtime < interval_s:
             return
         try:
-            self.touch(key, now)
+            if fd is not None:
+                os.utime(fd, (now, now))
+            else:
+                self.touch(key, now)
         except OSError:
             pass
 

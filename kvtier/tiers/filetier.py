@@ -98,8 +98,9 @@ class FileTier(PooledTier):
     def _unadmit(self, key: ChunkKey, obj: ChunkObject) -> None:
         """A store admitted by ``_admit`` failed."""
 
-    def _touched(self, key: ChunkKey, mtime: float) -> None:
-        """``key`` was just read (its file had ``mtime``)."""
+    def _touched(self, key: ChunkKey, mtime: float, fd: int | None = None) -> None:
+        """``key`` was just read (its file had ``mtime``; ``fd``: the file,
+        still open, where the read has it)."""
 
     def _forget(self, key: ChunkKey) -> None:
         """``key`` is gone (deleted, missing or quarantined)."""
@@ -159,9 +160,15 @@ class FileTier(PooledTier):
 
     def _finish_read(self, key: ChunkKey, op: OpenRead, got: int, t0: float, pool=None) -> ChunkObject | None:
         pool = self.pool if pool is None else pool
-        obj = self._judged(key, lambda: self.dir.finish_read(key, op, got, pool))
-        if obj is not None:
-            self._accepted(key, obj, op.mtime, t0)
+        try:
+            obj = self._judged(key, lambda: self.dir.finish_read(key, op, got, pool, close=False))
+            if obj is not None:
+                # A recency stamp goes through the file still open: one
+                # ``futimens``, not its path walked again (on a network file
+                # system, round trips on the way to handing the object over).
+                self._accepted(key, obj, op.mtime, t0, op.fd)
+        finally:
+            op.close()
         return obj
 
     def _judged(self, key: ChunkKey, read: Callable[[], T]) -> T | None:
@@ -181,10 +188,10 @@ class FileTier(PooledTier):
         self.metrics.corrupt()
         self._quarantine(key)
 
-    def _accepted(self, key: ChunkKey, obj: ChunkObject, mtime: float, t0: float) -> None:
+    def _accepted(self, key: ChunkKey, obj: ChunkObject, mtime: float, t0: float, fd: int | None = None) -> None:
         self._bytes_per_token = max(1, obj.nbytes // max(1, obj.header.num_tokens))
         self.metrics.observe("read", time.perf_counter() - t0)
-        self._touched(key, mtime)
+        self._touched(key, mtime, fd)
 
     def store(self, objs: Sequence[ChunkObject]) -> int:
         """Write objects synchronously (callers run this on the tier's pool

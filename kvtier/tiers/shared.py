@@ -89,8 +89,8 @@ class SharedTier(FileTier):
             log.info("tier %s: swept %d orphaned temp files", self.name, swept)
 
     # ------------------------------------------------------------ hooks
-    def _touched(self, key: ChunkKey, mtime: float) -> None:
-        self.dir.stamp(key, mtime, self.config.touch_interval_s)
+    def _touched(self, key: ChunkKey, mtime: float, fd: int | None = None) -> None:
+        self.dir.stamp(key, mtime, self.config.touch_interval_s, fd)
 
     def _stored(self, key, obj) -> None:
         """Count our write; start a background collection pass when one is due:

@@ -206,8 +206,8 @@ class ShmTier(FileTier):
         self.metrics.used(used + size)
         return True, ""
 
-    def _touched(self, key: ChunkKey, mtime: float) -> None:
-        self.dir.stamp(key, mtime, self.config.touch_interval_s)
+    def _touched(self, key: ChunkKey, mtime: float, fd: int | None = None) -> None:
+        self.dir.stamp(key, mtime, self.config.touch_interval_s, fd)
 
     def _quarantine(self, key: ChunkKey) -> None:
         # Kept aside, a bad object would hold node DRAM the ledger no longer
