@@ -193,7 +193,6 @@ class AioStream:
         staged: deque[tuple[int, _Read, list]] = deque()  # opened, waiting for room in the window
         backlog: list[tuple[int, int, int, int, int]] = []  # pieces the kernel has not taken yet
         nxt, inflight = 0, 0
-        landed: list[tuple[int, _Read]] = []  # reaped, to be queued for checks
         tokens_left = sum(k.num_tokens for k in self._keys)  # of the reads not landed yet
         try:
             while True:
@@ -217,19 +216,7 @@ class AioStream:
                         backlog.extend((i * _MAX_PIECES + j, r.op.fd, addr + off, n, off) for j, (off, n) in enumerate(pieces))
                         inflight += r.est
                         room -= len(pieces)
-                    try:
-                        submitted = self._submit(ctx, backlog, self._trace)
-                    finally:
-                        if landed:
-                            # Reads that landed are queued for their checks
-                            # only now that the next ones are on the device: a
-                            # check job woken first took the GIL from the
-                            # driver while the device had nothing to do
-                            # (between batches: 0.57 -> 0.41 ms at 8k, 0.62 ->
-                            # 0.27 on the 7B shape; docs/benchmarks.md).
-                            self._landed(landed)
-                            landed = []
-                    if not submitted:
+                    if not self._submit(ctx, backlog, self._trace):
                         break
                     if not (submitting and nxt < len(self._keys) and len(staged) < self._ahead):
                         break
@@ -264,7 +251,7 @@ class AioStream:
                         if not staged and (self._consumed is not None or nxt >= min(self._end, len(self._keys))):
                             return
                     continue
-                reaped = ctx.reap(1, _POLL_S)
+                landed, reaped = [], ctx.reap(1, _POLL_S)
                 if self._trace is not None and reaped:
                     self._trace.io(-len(reaped))
                 for rid, res in reaped:
@@ -289,13 +276,13 @@ class AioStream:
                         self._set(i, OSError(errs[0], f"read failed: {os.strerror(errs[0])}"))
                     else:
                         landed.append((i, r))
+                if landed:
+                    self._landed(landed)
         finally:
             self._contexts.give(ctx)  # waits for every read still in flight: their buffers are free after
             for r in pending.values():
                 r.op.abandon(r.pool)
             for _, r, _ in staged:
-                r.op.abandon(r.pool)
-            for _, r in landed:  # reaped, never queued (the driver failed in between)
                 r.op.abandon(r.pool)
 
     def _landed(self, reads: list[tuple[int, "_Read"]]) -> None:

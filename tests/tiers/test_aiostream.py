@@ -477,36 +477,3 @@ def test_a_read_that_lands_after_the_load_gave_up_lands_in_a_slot_the_next_load_
     assert bytes(lb.payload(3)) == b"\x07" * dst.nbytes and lb._bufs[3].obj is dst.obj
     # The next load reads every slot again, the new buffer of slot 3 included.
     assert tier.load(c.keys, lb) == 6 and [bytes(lb.payload(i)) for i in range(6)] == c.payloads
-
-
-def test_reads_that_land_are_queued_for_their_checks_once_the_next_reads_are_on_the_device(open_tier, monkeypatch):
-    """A check job woken before the next reads went out took the GIL from
-    the driver while the device had nothing to do: the driver hands the
-    next reads to the kernel first, then queues what landed."""
-    import kvtier.tiers.aiostream as aiostream
-
-    tier = open_tier(read_window_bytes=64 * OBJ)
-    c = make_chunks(16)
-    tier.store(c.objs)
-    assert _payloads(tier, c.keys[:1]) == c.payloads[:1]  # the tier learns its objects' size
-    events = []
-    reap, submit, landed = aio.AioContext.reap, aio.AioContext.submit, aiostream.AioStream._landed
-
-    def slow_reap(ctx, min_nr, timeout_s):
-        time.sleep(0.02)  # every read in flight has landed by then: one batch per reap
-        got = reap(ctx, min_nr, timeout_s)
-        events.append(("reap", len(got)))
-        return got
-
-    monkeypatch.setattr(aio.AioContext, "reap", slow_reap)
-    monkeypatch.setattr(aio.AioContext, "submit", lambda ctx, reqs: (events.append(("submit", len(reqs))), submit(ctx, reqs))[1])
-    monkeypatch.setattr(aiostream.AioStream, "_landed", lambda self, reads: (events.append(("checks", len(reads))), landed(self, reads))[1])
-    assert _payloads(tier, c.keys) == c.payloads
-    # The taper's batches (12, 3, 1), each reaped at once; the checks of
-    # the first two queued after the reads opened ahead of the next batch
-    # went out (the 2 opened ahead in one call, then the last; the third of
-    # the next batch is opened after its checks were queued, then read).
-    assert [e for e in events if e[0] != "submit"] == [("reap", 12), ("checks", 12), ("reap", 3), ("checks", 3),
-                                                       ("reap", 1), ("checks", 1)]
-    after = [events[events.index(("reap", n)) + 1:events.index(("checks", n))] for n in (12, 3, 1)]
-    assert after == [[("submit", 2)], [("submit", 1)], []]
