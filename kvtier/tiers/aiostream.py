@@ -92,7 +92,9 @@ class AioStream:
     the object and takes a buffer from ``pool`` (``OpenRead``; None for a
     miss; raises for backend trouble) and ``finish(key, op, got, t0, pool)``
     closes and verifies it (the object, owned by ``pool``, or None if it
-    failed verification). ``read_sync(key)`` reads
+    failed verification); ``ended()`` is called once the driver is done
+    with ``begin`` (what ``begin`` held open for the load, it may close
+    then). ``read_sync(key)`` reads
     one object the ordinary way, for the rare file the file system would not
     open with O_DIRECT, and for reads the kernel refused (EINVAL: a file
     system that opens with O_DIRECT but refuses the I/O, or AIO on it);
@@ -118,11 +120,13 @@ class AioStream:
         verifiers: int | None = None,
         trace: ReadTrace | None = None,
         into: Sequence[memoryview] | LoadBuffers | None = None,
+        ended: Callable[[], None] = lambda: None,
     ):
         self.path = path  # what the owner calls this way of reading (its accounting)
         self._keys = keys
         self._trace = trace  # a benchmark's record of when reads were in flight (None in service)
         self._refused = refused
+        self._ended = ended  # called once the driver is done (with ``begin`` too)
         self._begin = begin
         self._finish = finish
         self._read_sync = read_sync
@@ -284,6 +288,7 @@ class AioStream:
                 r.op.abandon(r.pool)
             for _, r, _ in staged:
                 r.op.abandon(r.pool)
+            self._ended()
 
     def _landed(self, reads: list[tuple[int, "_Read"]]) -> None:
         """Queue landed reads (all of one reap: the lowest index among them

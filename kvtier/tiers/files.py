@@ -71,6 +71,33 @@ class ObjectEntry:
     mtime: float
 
 
+class BaseHandle:
+    """A store's folder, opened on first use and kept open until ``close``:
+    the descriptor a load's object opens start from, so that each costs one
+    ``openat2`` and not an open and a close of the folder around it. Held by
+    one load, not by the tier: a descriptor held for the process's life
+    would keep an unmounted file system busy, and would go on reading a
+    folder that was replaced. Used by one thread at a time."""
+
+    __slots__ = ("path", "_fd")
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._fd = -1
+
+    def fd(self) -> int:
+        """The folder's descriptor (raises as ``os.open`` would; tried again
+        on the next call then)."""
+        if self._fd < 0:
+            self._fd = os.open(self.path, _DIR_FLAGS)
+        return self._fd
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            os.close(fd)
+
+
 @dataclass
 class OpenRead:
     """An object ``ObjectDir.open_read`` opened: its descriptor (O_DIRECT or
@@ -148,7 +175,12 @@ class ObjectDir:
         raises OSError (ELOOP or ENOTDIR). ``base`` itself is never created
         here: if it vanished, so did the mount it lives on, and kvtier must
         not fill the disk beneath a dead mount point."""
-        fd = os.open(self.base, _DIR_FLAGS)
+        return self._open_below(os.open(self.base, _DIR_FLAGS), parts, create, own=True)
+
+    @staticmethod
+    def _open_below(fd: int, parts: Sequence[str], create: bool = False, own: bool = False) -> int:
+        """``_open_dir`` from folder ``fd`` (closed here if ``own``)."""
+        start = fd
         try:
             for part in parts:
                 try:
@@ -161,12 +193,19 @@ class ObjectDir:
                     except FileExistsError:
                         pass
                     nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
-                os.close(fd)
+                if own or fd != start:
+                    os.close(fd)
                 fd = nxt
         except BaseException:
-            os.close(fd)
+            if own or fd != start:
+                os.close(fd)
             raise
-        return fd
+        return fd if own or fd != start else os.dup(fd)
+
+    def base_handle(self) -> "BaseHandle":
+        """The store's folder, opened once for a run of reads (a load), not
+        once per object: ``open_read(..., base=)``."""
+        return BaseHandle(self.base)
 
     # ------------------------------------------------------------ read
     def read(self, key: ChunkKey, o_direct: bool, cold: bool, pool: BufferPool | None = None) -> tuple[ChunkObject, float]:
@@ -215,14 +254,15 @@ class ObjectDir:
             raise
         return self.finish_read(key, op, got, pool), op.mtime
 
-    def open_read(self, key: ChunkKey, o_direct: bool, pool: BufferPool) -> "OpenRead":
+    def open_read(self, key: ChunkKey, o_direct: bool, pool: BufferPool, base: "BaseHandle | None" = None) -> "OpenRead":
         """The first half of ``read``: open ``key``'s object (O_DIRECT when
         asked and the file system allows), check its size and take a buffer
         for it. The caller fills ``buf[:size]`` (an O_DIRECT read may ask for
         all of ``buf``, whose length is aligned) and calls ``finish_read``,
-        or ``abandon``. Raises like ``read``."""
+        or ``abandon``. ``base``: the store's folder, held open by a load
+        (``base_handle``); else opened here. Raises like ``read``."""
         parts, name = self._rel(key)
-        fd, direct = self._open_object_beneath(parts, name, o_direct)
+        fd, direct = self._open_object_beneath(parts, name, o_direct, base)
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -256,14 +296,16 @@ class ObjectDir:
             pool.put(op.buf)
             raise
 
-    def _open_object_beneath(self, parts: Sequence[str], name: str, o_direct: bool) -> tuple[int, bool]:
+    def _open_object_beneath(self, parts: Sequence[str], name: str, o_direct: bool,
+                             base: "BaseHandle | None" = None) -> tuple[int, bool]:
         """Open ``base/parts.../name`` for reading, following no symlink
         below ``base``: in one ``openat2`` where the kernel has it (beneath.py),
-        else folder by folder. Raises CorruptObject for a symlink or a file
-        where a folder or the object belongs."""
+        else folder by folder; from ``base``'s descriptor where given, else
+        from the folder opened here. Raises CorruptObject for a symlink or a
+        file where a folder or the object belongs."""
         if not beneath.available():
             try:
-                dfd = self._open_dir(parts)
+                dfd = self._open_dir(parts) if base is None else self._open_below(base.fd(), parts)
             except OSError as exc:
                 if exc.errno in _NOT_OURS:
                     raise CorruptObject(f"a symlink or file where a folder belongs ({exc.strerror})") from None
@@ -274,14 +316,15 @@ class ObjectDir:
                 os.close(dfd)
         bfd = -1
         try:
-            bfd = os.open(self.base, _DIR_FLAGS)  # never created here (``_open_dir``)
+            # Never created here (``_open_dir``).
+            bfd = os.open(self.base, _DIR_FLAGS) if base is None else base.fd()
             return self._open_object(bfd, "/".join((*parts, name)), o_direct, beneath.open_beneath)
         except OSError as exc:
             if exc.errno in _NOT_OURS:
                 raise CorruptObject(f"a symlink or file on the object's path ({exc.strerror})") from None
             raise
         finally:
-            if bfd >= 0:
+            if bfd >= 0 and base is None:
                 os.close(bfd)
 
     def _open_object(self, dfd: int, name: str, o_direct: bool,

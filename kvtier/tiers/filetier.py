@@ -26,7 +26,7 @@ from kvtier.errors import CorruptObject
 from kvtier.keys import ChunkKey
 from kvtier.tiers import aio
 from kvtier.tiers.aiostream import AioStream
-from kvtier.tiers.files import ObjectDir, OpenRead
+from kvtier.tiers.files import BaseHandle, ObjectDir, OpenRead
 from kvtier.tiers.pooled import PooledTier
 from kvtier.tiers.readpath import BUFFERED, DIRECT, ReadPathChooser
 from kvtier.tiers.readtrace import ReadTrace
@@ -133,9 +133,11 @@ class FileTier(PooledTier):
         path = self._paths.pick() if direct and self.config.adaptive_reads else (DIRECT if direct else BUFFERED)
         window, bpt = self.config.read_window_bytes, lambda: self._bytes_per_token
         if path == DIRECT and self.config.aio and self._aio_ok and aio.available():
-            return AioStream(self.executor, keys, self._begin_read, self._finish_read, self._read_one, self.pool,
-                             window, bpt, refused=self._refuse_aio, path=path, contexts=self._aio_contexts,
-                             trace=self.read_trace, into=into)
+            # The load's opens start from the store's folder, opened once.
+            base = self.dir.base_handle()
+            return AioStream(self.executor, keys, functools.partial(self._begin_read, base=base), self._finish_read,
+                             self._read_one, self.pool, window, bpt, refused=self._refuse_aio, path=path,
+                             contexts=self._aio_contexts, trace=self.read_trace, into=into, ended=base.close)
         read = functools.partial(self._read_one, direct=path == DIRECT)
         return ReadStream(self.executor, keys, read, window, bpt, path=path)
 
@@ -152,11 +154,12 @@ class FileTier(PooledTier):
             log.warning("tier %s: the kernel refused native AIO reads under %s; reading with threads from now on",
                         self.name, self.dir.root)
 
-    def _begin_read(self, key: ChunkKey, pool=None) -> OpenRead | None:
+    def _begin_read(self, key: ChunkKey, pool=None, base: BaseHandle | None = None) -> OpenRead | None:
         """Open ``key`` for an AIO read into a buffer of ``pool`` (default:
-        the tier's; a load into lent buffers passes its slot's)."""
+        the tier's; a load into lent buffers passes its slot's), from
+        ``base``, the store's folder as the load holds it open."""
         pool = self.pool if pool is None else pool
-        return self._judged(key, lambda: self.dir.open_read(key, True, pool))
+        return self._judged(key, lambda: self.dir.open_read(key, True, pool, base))
 
     def _finish_read(self, key: ChunkKey, op: OpenRead, got: int, t0: float, pool=None) -> ChunkObject | None:
         pool = self.pool if pool is None else pool

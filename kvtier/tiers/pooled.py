@@ -168,7 +168,7 @@ class PooledTier(Tier):
                into: Sequence[memoryview] | None = None) -> Iterator[ChunkObject]:
         """Hand over the stream's objects, counting them; with ``into``,
         copy each into its buffer first (a buffer of another size ends it)."""
-        served = nbytes = 0
+        served = nbytes = tokens = 0
         try:
             for obj in stream.iter(timeout):
                 if into is not None:
@@ -179,11 +179,14 @@ class PooledTier(Tier):
                     copy_into(dst, obj.payload)
                 served += 1
                 nbytes += obj.nbytes
-                # Counted when handed over: reads ahead of a miss or of an
-                # abandoned fetch complete too, but served nobody.
-                self.metrics.hit(1, obj.header.num_tokens, obj.nbytes)
+                tokens += obj.header.num_tokens
                 yield obj
         finally:
+            # Hits count what was handed over (reads ahead of a miss or of an
+            # abandoned fetch complete too, but served nobody), once per
+            # fetch: three counters per object cost a cold load about a
+            # tenth of its CPU outside the checksum (docs/benchmarks.md).
+            self.metrics.hit(served, tokens, nbytes)
             if stream.failed is not None:
                 what = "timed out" if isinstance(stream.failed, FutureTimeout) else f"failed: {self._describe(stream.failed)}"
                 log.warning("tier %s: read %s; the rest is recomputed", self.name, what)

@@ -375,12 +375,50 @@ def test_a_read_opens_the_objects_path_in_one_call_where_the_kernel_can(tmp_path
     c = make_chunks(2)
     tier.store(c.objs)
     walked = []
-    real = ObjectDir._open_dir
-    monkeypatch.setattr(ObjectDir, "_open_dir", lambda self, parts, create=False: (walked.append(parts),
-                                                                                   real(self, parts, create))[1])
+    real = ObjectDir._open_below
+    monkeypatch.setattr(ObjectDir, "_open_below",
+                        staticmethod(lambda fd, parts, create=False, own=False: (walked.append(parts),
+                                                                                 real(fd, parts, create, own))[1]))
     assert _fetch_all(tier, c.keys) == c.payloads
     assert walked == []
     monkeypatch.setattr(beneath, "_available", False)
     assert _fetch_all(tier, c.keys) == c.payloads
     assert [p[0] for p in walked] == ["objects", "objects"]
     tier.close()
+
+
+@pytest.mark.parametrize("aio", [True, False])
+def test_a_load_opens_the_stores_folder_once_not_once_per_object(tmp_path, monkeypatch, resolution, aio):
+    """A load's object opens start from the store's folder, opened once for
+    the load and closed after it (not held by the tier: that would keep an
+    unmounted file system busy). Reads on pool threads (``aio: false``, or
+    buffered) open it per object still."""
+    tier = _shared(tmp_path, aio=aio)
+    c = make_chunks(6)
+    tier.store(c.objs)
+    base = str(tier.dir.base)
+    opened, closed, held = [], [], set()
+    real_open, real_close = os.open, os.close
+
+    def counting_open(path, flags, *a, **k):
+        fd = real_open(path, flags, *a, **k)
+        if str(path) == base and k.get("dir_fd") is None:
+            opened.append(fd)
+            held.add(fd)
+        return fd
+
+    def counting_close(fd):
+        if fd in held:
+            held.discard(fd)
+            closed.append(fd)
+        return real_close(fd)
+
+    monkeypatch.setattr(os, "open", counting_open)
+    monkeypatch.setattr(os, "close", counting_close)
+    bufs = [bytearray(len(p)) for p in c.payloads]
+    assert tier.load(c.keys, bufs) == 6
+    assert [bytes(b) for b in bufs] == c.payloads
+    tier.close()
+    assert len(opened) == (1 if aio else 6)
+    assert not held  # closed once the load ended
+    assert len(closed) == len(opened)
