@@ -208,9 +208,13 @@ class ObjectDir:
         return BaseHandle(self.base)
 
     # ------------------------------------------------------------ read
-    def read(self, key: ChunkKey, o_direct: bool, cold: bool, pool: BufferPool | None = None) -> tuple[ChunkObject, float]:
+    def read(self, key: ChunkKey, o_direct: bool, cold: bool, pool: BufferPool | None = None,
+             accept: Callable[[ChunkObject, float, int], None] | None = None) -> tuple[ChunkObject, float]:
         """Read and verify one object into a buffer from ``pool``. Returns it
-        with the file's mtime.
+        with the file's mtime. ``accept(obj, mtime, fd)``, if given, is
+        called once the object verified, before its file ``fd`` is closed:
+        a reader's recency stamp goes through the file it has open, not
+        through its path walked again.
 
         Raises FileNotFoundError for a miss, CorruptObject for a bad object
         (a symlink, FIFO or other non-file where an object belongs included),
@@ -220,12 +224,21 @@ class ObjectDir:
         pool = pool if pool is not None else BufferPool(0)
         direct = o_direct and self.direct_ok
         try:
-            return self._read(key, direct, cold, pool)
+            obj, op = self._read(key, direct, cold, pool)
         except OSError as exc:
             if exc.errno != errno.EINVAL or not direct:
                 raise
             self.refuse_direct(f"an O_DIRECT read failed ({exc.strerror})")
-            return self._read(key, False, cold, pool)
+            obj, op = self._read(key, False, cold, pool)
+        try:
+            if accept is not None:
+                accept(obj, op.mtime, op.fd)
+        except BaseException:
+            obj.release()
+            raise
+        finally:
+            op.close()
+        return obj, op.mtime
 
     def refuse_direct(self, why: str) -> None:
         """Read this directory buffered from now on: its file system refused
@@ -234,7 +247,8 @@ class ObjectDir:
             self.direct_ok = False
             log.warning("kvtier: %s under %s; reading it buffered from now on", why, self.root)
 
-    def _read(self, key: ChunkKey, o_direct: bool, cold: bool, pool: BufferPool) -> tuple[ChunkObject, float]:
+    def _read(self, key: ChunkKey, o_direct: bool, cold: bool, pool: BufferPool) -> tuple[ChunkObject, "OpenRead"]:
+        """The object, verified, and its file still open (``op.close``)."""
         op = self.open_read(key, o_direct, pool)
         got = 0
         try:
@@ -252,7 +266,11 @@ class ObjectDir:
         except BaseException:
             op.abandon(pool)
             raise
-        return self.finish_read(key, op, got, pool), op.mtime
+        try:
+            return self.finish_read(key, op, got, pool, close=False), op
+        except BaseException:
+            op.close()
+            raise
 
     def open_read(self, key: ChunkKey, o_direct: bool, pool: BufferPool, base: "BaseHandle | None" = None) -> "OpenRead":
         """The first half of ``read``: open ``key``'s object (O_DIRECT when

@@ -119,12 +119,10 @@ class FileTier(PooledTier):
         ``direct`` says."""
         t0 = time.perf_counter()
         direct = self.config.o_direct if direct is None else direct
-        read = self._judged(key, lambda: self.dir.read(key, direct, self.config.cold_reads, self.pool))
-        if read is None:
-            return None
-        obj, mtime = read
-        self._accepted(key, obj, mtime, t0)
-        return obj
+        # Accepted with its file still open: a recency stamp goes through it.
+        read = self._judged(key, lambda: self.dir.read(key, direct, self.config.cold_reads, self.pool,
+                                                       lambda obj, mtime, fd: self._accepted(key, obj, mtime, t0, fd)))
+        return None if read is None else read[0]
 
     def _stream(self, keys: Sequence[ChunkKey], into: Sequence[memoryview] | None = None):
         # O_DIRECT reads go through native AIO from one driver thread; the

@@ -373,11 +373,13 @@ def test_reads_stamp_objects_at_most_once_per_interval(open_shared):
     assert os.stat(tier.dir.path(c.keys[1])).st_mtime > stale + 100
 
 
-def test_a_load_stamps_objects_through_the_files_it_read_not_their_paths_again(open_shared, monkeypatch):
-    """An AIO load's stamp is one futimens on the file it has open: its
-    folders are not walked again (round trips on a network file system,
-    between a read landing and its object being handed over)."""
-    tier = open_shared(touch_interval_s=60)
+@pytest.mark.parametrize("how", ["aio", "pool threads, O_DIRECT", "pool threads, buffered"])
+def test_a_load_stamps_objects_through_the_files_it_read_not_their_paths_again(open_shared, monkeypatch, how):
+    """A load's stamp is one futimens on the file it has open, whichever
+    way it reads: its folders are not walked again (round trips on a
+    network file system, between a read landing and its object being
+    handed over)."""
+    tier = open_shared(touch_interval_s=60, aio=how == "aio", o_direct=how != "pool threads, buffered")
     c = make_chunks(3)
     tier.store(c.objs)
     _stamp(tier, c.keys, [120, 120, 120])
@@ -386,7 +388,8 @@ def test_a_load_stamps_objects_through_the_files_it_read_not_their_paths_again(o
     monkeypatch.setattr(ObjectDir, "touch", lambda self, key, when: by_path.append(key))
     bufs = [memoryview(bytearray(len(p))) for p in c.payloads]
     assert tier.load(c.keys, bufs) == 3
-    assert tier.metrics.m.value("kvtier_read_path_loads_total", tier=tier.name, path="direct") == 1  # the AIO path
+    path = "buffered" if how == "pool threads, buffered" else "direct"
+    assert tier.metrics.m.value("kvtier_read_path_loads_total", tier=tier.name, path=path) == 1
     assert by_path == []
     assert all(os.stat(tier.dir.path(k)).st_mtime > s + 100 for k, s in zip(c.keys, stale))
 
