@@ -8,22 +8,26 @@ In one run, on one directory:
    128 KiB reads with the kernel's readahead in up to 16 streams (one file
    each, laid out and synced first, page cache dropped); the
    best of them is the storage limit;
-3. kvtier cold loads (page cache dropped, parallel within a byte window) at
+3. the device's own rate for loads of one session's size: each session's
+   object files read all at once with O_DIRECT and native AIO, nothing
+   checked (``burst``): the ceiling of a load that size, and the kernel's
+   part of its CPU;
+4. kvtier cold loads (page cache dropped, parallel within a byte window) at
    several window sizes and in several read modes (O_DIRECT into buffers the
    store lends, read and verified in place; O_DIRECT and buffered into the
    caller's own buffers, copied into), through ``TieredStore.load`` as an
    engine would call it (lookup, verified reads);
-4. kvtier memory-tier loads against a plain memcpy of the same bytes.
+5. kvtier memory-tier loads against a plain memcpy of the same bytes.
 
 Beside each fio job and cold load, the mean size of the read requests the
 block device completed meanwhile (Linux's ``/sys/dev/block/M:m/stat``):
 whether reads reached the device whole or cut into pieces.
 
 Every figure is the median of ``repeats`` runs; ratios compare medians of the
-same run. Steps 2 and 3 are interleaved: each repeat runs every fio job and
-every cold load once, in the reverse order of the repeat before. Nothing is
-cached between runs of step 3 (the files are dropped from the page cache
-before each).
+same run. Steps 2-4 are interleaved: each repeat runs every fio job, the
+burst and every cold load once, in the reverse order of the repeat before.
+Nothing is cached between runs of step 4 (the files are dropped from the
+page cache before each; the burst reads with O_DIRECT).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from kvtier.buffers import align_up, alloc
 from kvtier.codec import HEADER_BLOCK
 from kvtier.config import StoreConfig, TierSpec
 from kvtier.engine.store import TieredStore
+from kvtier.bench.burst import Burst, why_not as burst_why_not
 from kvtier.bench.fio import BUFFERED_STREAMS, fio_seq_read_run, remove_fio_file
 from kvtier.bench.storage_common import (
     GiB,
@@ -66,6 +71,8 @@ __all__ = ["GiB", "MiB", "READ_MODES", "StorageBenchConfig", "StorageBenchError"
 
 # fio's buffered job over files of kvtier's object size.
 OBJECT_FILES_JOB = "buffered-128k-object-files"
+# The device reading one load's objects at once (bench/burst.py).
+BURST = "burst"
 # Read modes whose loads go through the AIO driver (their reads are traced).
 AIO_MODES = ("direct-aio", "direct-aio-lent", "direct-aio-4k")
 # fio's CPU per GB that kvtier's is held against: its cheapest job in the
@@ -141,6 +148,7 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
         "chunk_bytes": cfg.model.bytes_per_token * cfg.chunk_tokens,
         "chunks": n_chunks,
         "sessions": len(sessions),
+        "session_chunks": cfg.session_chunks,
         "repeats": cfg.repeats,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
@@ -174,7 +182,7 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
     fio_runs: dict[str, list] = {j: [] for j in fio_jobs}
     device = DeviceReads(store_dir)
     variants = [(w, m) for m in cfg.read_modes for w in cfg.windows]
-    requests: dict = {k: [] for k in [*fio_jobs, *variants]}  # mean request KiB per run, by fio job or cold variant
+    requests: dict = {k: [] for k in [*fio_jobs, *variants, BURST]}  # mean request KiB per run, by measurement
     cold_runs: dict[tuple, list] = {v: [] for v in variants}
     per_load: dict[tuple, list[float]] = {v: [] for v in variants}
     stores = {
@@ -189,13 +197,23 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
     traces = {v: ReadTrace() for v in variants if v[1] in AIO_MODES}
     for v, tr in traces.items():
         stores[v].tier("shared").read_trace = tr
-    tick = progress("fio + cold loads", cfg.repeats * (len(fio_jobs) + len(variants) * len(sessions)))
+    # The device's own rate for one load's objects at once (bench/burst.py),
+    # where the store's files open with O_DIRECT and the kernel has AIO.
+    odir = next(iter(stores.values())).tier("shared").dir
+    burst_skipped = burst_why_not() or ("" if odir.direct_ok else "the file system refuses O_DIRECT")
+    burst = None if burst_skipped else Burst([[str(odir.path(k)) for k in keys] for keys in sessions],
+                                             object_bytes, result["chunk_bytes"])
+    burst_runs: list = []
+    tick = progress("fio + cold loads", cfg.repeats * (len(fio_jobs) + len(variants) * len(sessions)
+                                                       + (burst is not None)))
     try:
         # Each repeat runs every measurement, fio's and kvtier's, in the order
         # of the one before reversed: on a disk whose speed drifts within a
         # repeat (a throttle's burst credit, writeback), no measurement always
         # runs in the same place.
         steps: list[tuple[str, object]] = [("fio", j) for j in fio_jobs] + [("cold", v) for v in stores]
+        if burst is not None:
+            steps.insert(len(fio_jobs), ("burst", BURST))
         for rep in range(cfg.repeats):
             for kind, what in (steps if rep % 2 == 0 else steps[::-1]):
                 s0 = device.sample()
@@ -205,6 +223,9 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
                     depth, block, o_direct, n_streams, file_bytes = fio_jobs[what]
                     fio_runs[what].append(fio_seq_read_run(fio_dir, depth, fio_size, block=block, direct=o_direct,
                                                            jobs=n_streams, file_bytes=file_bytes))
+                    tick(1)
+                elif kind == "burst":
+                    burst_runs.append(burst.run())
                     tick(1)
                 else:
                     stores[what].tier("shared").drop_cache()
@@ -216,6 +237,8 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
                        for p in ("direct", "buffered")} for v, s in stores.items()}
     finally:
         remove_fio_file(fio_dir)
+        if burst is not None:
+            burst.close()
         for st in stores.values():
             st.close()
     result["fio"] = {
@@ -247,6 +270,12 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
     result["cold_best_window"] = best
     result["cold_load_gbps"] = cold[best]["median_gbps"]
     result["cold_vs_fio"] = result["cold_load_gbps"] / result["fio_best_gbps"]
+    if burst_runs:
+        result["burst"] = {**summarize(burst_runs), "request_kib": _median_or_none(requests[BURST])}
+        result["burst_vs_fio"] = result["burst"]["median_gbps"] / result["fio_best_gbps"]
+        result["cold_vs_burst"] = result["cold_load_gbps"] / result["burst"]["median_gbps"]
+    else:
+        result["burst_skipped"] = burst_skipped
     if OBJECT_FILES_JOB in result["fio"]:
         files = result["fio"][OBJECT_FILES_JOB]["median_gbps"]
         result["object_files_vs_fio"] = files / result["fio_best_gbps"]
@@ -364,6 +393,11 @@ def format_table(r: dict) -> str:
             what = "fio seq read O_DIRECT 1MiB " + job
         lines.append(f"{what:<{width}}{v['median_gbps']:>8.2f}  {v['median_gbps'] / fio_best:>12.2f} x fio  "
                      f"{v['cpu_s_per_gb']:>9.3f}  {_kib(v.get('request_kib'))}")
+    if "burst" in r:
+        v = r["burst"]
+        lines.append(f"{'device, one load at once, no checks':<{width}}{v['median_gbps']:>8.2f}  "
+                     f"{v['median_gbps'] / fio_best:>12.2f} x fio  {v['cpu_s_per_gb']:>9.3f}  "
+                     f"{_kib(v.get('request_kib'))}")
     for w, v in r["cold"].items():
         mark = " *" if w == r["cold_best_window"] else ""
         lines.append(f"{'kvtier cold load, window ' + w:<{width}}{v['median_gbps']:>8.2f}  "
@@ -395,6 +429,14 @@ def format_table(r: dict) -> str:
             f"fio itself over files of kvtier's object size: {r['object_files_vs_fio']:.2f} x best fio "
             f"(the ceiling of one file per object); kvtier's cold load = {r['cold_vs_object_files']:.2f} x that"
         )
+    if "cold_vs_burst" in r:
+        lines.append(
+            f"the device reading one load's {r['session_chunks']} objects at once, nothing checked: "
+            f"{r['burst_vs_fio']:.2f} x best fio (the ceiling of a load this size); "
+            f"kvtier's cold load = {r['cold_vs_burst']:.2f} x that"
+        )
+    elif r.get("burst_skipped"):
+        lines.append(f"the device reading one load's objects at once: not measured ({r['burst_skipped']})")
     kv = r["cold_cpu_s_per_gb"]
     lines.append(
         f"CPU per GB read (user + system): kvtier {kv:.3f} s, fio {r['fio_cpu_s_per_gb']:.3f} s "
@@ -409,5 +451,12 @@ def format_table(r: dict) -> str:
             f"  of which {r['cpu_floor_s_per_gb']:.3f} s is not the read machinery ({copy}"
             f"XXH3 checksum {r['checksum_cpu_s_per_gb']:.3f}, same bytes); "
             f"the read machinery {r['cpu_machinery_s_per_gb']:.3f} s = {r['machinery_vs_fio']:.2f} x fio"
+        )
+    if "burst" in r and "cpu_floor_s_per_gb" in r:
+        floor = r["burst"]["cpu_s_per_gb"] + r["checksum_cpu_s_per_gb"]
+        lines.append(
+            f"  a verified read's floor here: the kernel's part (the device line's CPU) {r['burst']['cpu_s_per_gb']:.3f} s "
+            f"+ XXH3 {r['checksum_cpu_s_per_gb']:.3f} s = {floor:.3f} s = {floor / r['fio_cpu_s_per_gb']:.2f} x fio; "
+            f"kvtier spends {max(0.0, kv - floor):.3f} s more"
         )
     return "\n".join(lines)

@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 import redis
 
+from kvtier.bench.burst import Burst, why_not as burst_why_not
 from kvtier.bench.storage import DeviceReads, _cpu_comparison
+from kvtier.bench.storage_common import StorageBenchError
 from kvtier.bench.storage_common import fio_mode
 from tests.tiers.redisserver import REDIS_SERVER, RedisServer, free_port
 from tests.tiers.s3server import ACCESS_KEY, BUCKET, SECRET_KEY, shared_server, weed_binary
@@ -109,6 +111,15 @@ def test_bench_storage_cli_writes_table_and_json(tmp_path):
         else:
             assert "idle_ms" not in v, label
     assert "nothing in flight during a load" in proc.stdout
+    # The device reading each session's objects at once, nothing checked:
+    # the ceiling of a load this size, and the kernel's part of its CPU.
+    assert burst_why_not() == "", "this machine has O_DIRECT and native AIO: the burst must be measured"
+    b = r["burst"]
+    assert b["median_gbps"] > 0 and b["cpu_s_per_gb"] > 0 and len(b["runs_gbps"]) == 1
+    assert r["burst_vs_fio"] == pytest.approx(b["median_gbps"] / r["fio_best_gbps"])
+    assert r["cold_vs_burst"] == pytest.approx(r["cold_load_gbps"] / b["median_gbps"])
+    assert "device, one load at once, no checks" in proc.stdout
+    assert "reading one load's 8 objects at once" in proc.stdout and "a verified read's floor here" in proc.stdout
     assert not list((tmp_path / "d" / "fio").iterdir()), "fio's files must be removed"
 
     # A rerun reuses the objects already written (check-before-write). It
@@ -303,3 +314,27 @@ def test_kvtier_cpu_is_held_against_fios_cheapest_job_at_the_devices_speed_not_i
     # A buffered load is held against the buffered job.
     r["cold"]["w"]["read_mode"] = "buffered"
     assert _cpu_comparison(r)["fio_cpu_job"] == "buffered-128k"
+
+
+def test_the_burst_reads_every_sessions_files_whole_or_says_why_not(tmp_path):
+    """The device's rate for one load is only the device's if every read
+    came back whole: a short file or a missing one is an error, never a
+    faster figure."""
+    size = (1 << 20) + 4096
+    paths = []
+    for i in range(6):
+        p = tmp_path / f"o{i}"
+        p.write_bytes(os.urandom(size))
+        paths.append(str(p))
+    burst = Burst([paths[:4], paths[4:]], size, 1 << 20)
+    try:
+        got = burst.run()
+        assert got.nbytes == 6 << 20 and got.seconds > 0 and got.cpu_s >= 0
+        os.truncate(paths[5], size - 4096)
+        with pytest.raises(StorageBenchError, match="o5 failed: .* of 1052672 bytes"):
+            burst.run()
+        os.unlink(paths[5])
+        with pytest.raises(StorageBenchError, match="could not open"):
+            burst.run()
+    finally:
+        burst.close()
