@@ -28,6 +28,7 @@ import os
 import secrets
 import socket
 import stat
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,24 +78,31 @@ class BaseHandle:
     ``openat2`` and not an open and a close of the folder around it. Held by
     one load, not by the tier: a descriptor held for the process's life
     would keep an unmounted file system busy, and would go on reading a
-    folder that was replaced. Used by one thread at a time."""
+    folder that was replaced. Thread-safe (a load's reads on pool threads
+    share it); ``close`` once none of them uses it any more."""
 
-    __slots__ = ("path", "_fd")
+    __slots__ = ("path", "_fd", "_lock")
 
     def __init__(self, path: Path):
         self.path = path
         self._fd = -1
+        self._lock = threading.Lock()
 
     def fd(self) -> int:
         """The folder's descriptor (raises as ``os.open`` would; tried again
         on the next call then)."""
-        if self._fd < 0:
-            self._fd = os.open(self.path, _DIR_FLAGS)
-        return self._fd
+        fd = self._fd
+        if fd >= 0:
+            return fd
+        with self._lock:
+            if self._fd < 0:
+                self._fd = os.open(self.path, _DIR_FLAGS)
+            return self._fd
 
     def close(self) -> None:
-        if self._fd >= 0:
+        with self._lock:
             fd, self._fd = self._fd, -1
+        if fd >= 0:
             os.close(fd)
 
 
@@ -209,12 +217,14 @@ class ObjectDir:
 
     # ------------------------------------------------------------ read
     def read(self, key: ChunkKey, o_direct: bool, cold: bool, pool: BufferPool | None = None,
-             accept: Callable[[ChunkObject, float, int], None] | None = None) -> tuple[ChunkObject, float]:
+             accept: Callable[[ChunkObject, float, int], None] | None = None,
+             base: BaseHandle | None = None) -> tuple[ChunkObject, float]:
         """Read and verify one object into a buffer from ``pool``. Returns it
         with the file's mtime. ``accept(obj, mtime, fd)``, if given, is
         called once the object verified, before its file ``fd`` is closed:
         a reader's recency stamp goes through the file it has open, not
-        through its path walked again.
+        through its path walked again. ``base``: the store's folder as a load
+        holds it open (``open_read``).
 
         Raises FileNotFoundError for a miss, CorruptObject for a bad object
         (a symlink, FIFO or other non-file where an object belongs included),
@@ -224,12 +234,12 @@ class ObjectDir:
         pool = pool if pool is not None else BufferPool(0)
         direct = o_direct and self.direct_ok
         try:
-            obj, op = self._read(key, direct, cold, pool)
+            obj, op = self._read(key, direct, cold, pool, base)
         except OSError as exc:
             if exc.errno != errno.EINVAL or not direct:
                 raise
             self.refuse_direct(f"an O_DIRECT read failed ({exc.strerror})")
-            obj, op = self._read(key, False, cold, pool)
+            obj, op = self._read(key, False, cold, pool, base)
         try:
             if accept is not None:
                 accept(obj, op.mtime, op.fd)
@@ -247,9 +257,10 @@ class ObjectDir:
             self.direct_ok = False
             log.warning("kvtier: %s under %s; reading it buffered from now on", why, self.root)
 
-    def _read(self, key: ChunkKey, o_direct: bool, cold: bool, pool: BufferPool) -> tuple[ChunkObject, "OpenRead"]:
+    def _read(self, key: ChunkKey, o_direct: bool, cold: bool, pool: BufferPool,
+              base: BaseHandle | None = None) -> tuple[ChunkObject, "OpenRead"]:
         """The object, verified, and its file still open (``op.close``)."""
-        op = self.open_read(key, o_direct, pool)
+        op = self.open_read(key, o_direct, pool, base)
         got = 0
         try:
             if not op.direct:

@@ -114,14 +114,16 @@ class FileTier(PooledTier):
         self._forget(key)
 
     # ------------------------------------------------------------ contract
-    def _read_one(self, key: ChunkKey, direct: bool | None = None) -> ChunkObject | None:
+    def _read_one(self, key: ChunkKey, direct: bool | None = None, base: BaseHandle | None = None) -> ChunkObject | None:
         """Read one object on this thread: with O_DIRECT as configured, or as
-        ``direct`` says."""
+        ``direct`` says; from ``base``, the store's folder as the load holds
+        it open, if given."""
         t0 = time.perf_counter()
         direct = self.config.o_direct if direct is None else direct
         # Accepted with its file still open: a recency stamp goes through it.
         read = self._judged(key, lambda: self.dir.read(key, direct, self.config.cold_reads, self.pool,
-                                                       lambda obj, mtime, fd: self._accepted(key, obj, mtime, t0, fd)))
+                                                       lambda obj, mtime, fd: self._accepted(key, obj, mtime, t0, fd),
+                                                       base))
         return None if read is None else read[0]
 
     def _stream(self, keys: Sequence[ChunkKey], into: Sequence[memoryview] | None = None):
@@ -130,14 +132,13 @@ class FileTier(PooledTier):
         direct = self.config.o_direct and self.dir.direct_ok
         path = self._paths.pick() if direct and self.config.adaptive_reads else (DIRECT if direct else BUFFERED)
         window, bpt = self.config.read_window_bytes, lambda: self._bytes_per_token
+        base = self.dir.base_handle()  # the load's opens start from the store's folder, opened once
         if path == DIRECT and self.config.aio and self._aio_ok and aio.available():
-            # The load's opens start from the store's folder, opened once.
-            base = self.dir.base_handle()
             return AioStream(self.executor, keys, functools.partial(self._begin_read, base=base), self._finish_read,
                              self._read_one, self.pool, window, bpt, refused=self._refuse_aio, path=path,
                              contexts=self._aio_contexts, trace=self.read_trace, into=into, ended=base.close)
-        read = functools.partial(self._read_one, direct=path == DIRECT)
-        return ReadStream(self.executor, keys, read, window, bpt, path=path)
+        read = functools.partial(self._read_one, direct=path == DIRECT, base=base)
+        return ReadStream(self.executor, keys, read, window, bpt, path=path, ended=base.close)
 
     def _streamed(self, stream, nbytes: int, seconds: float) -> None:
         # Measured whether or not the choice is adaptive: the rates are an

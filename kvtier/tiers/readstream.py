@@ -42,6 +42,7 @@ class ReadStream:
         window_bytes: int,
         bytes_per_token: Callable[[], int],
         path: str = "",
+        ended: Callable[[], None] = lambda: None,
     ):
         self.path = path  # what the owner calls this way of reading (its accounting)
         self.delivers = False  # objects are handed over uncopied (``AioStream`` may copy them on its pool)
@@ -56,6 +57,9 @@ class ReadStream:
         self._inflight = 0  # estimated bytes of the reads in flight
         self._reads = 0  # reads in flight
         self._stopped = False
+        # Called once no read is in flight and none will start (stopped, or
+        # every key submitted): what the reads shared, the owner may close.
+        self._ended: Callable[[], None] | None = ended
         self.failed: BaseException | None = None  # error or timeout that ended the stream
         with self._lock:
             self._fill()
@@ -80,6 +84,16 @@ class ReadStream:
             self._inflight -= est
             self._reads -= 1
             self._fill()
+            ended = self._take_ended()
+        if ended is not None:
+            ended()
+
+    def _take_ended(self) -> Callable[[], None] | None:
+        # Lock held. The ``ended`` hook, once, when it is due.
+        if self._ended is None or self._reads or not (self._stopped or self._next >= len(self._keys)):
+            return None
+        ended, self._ended = self._ended, None
+        return ended
 
     def stop(self, consumed: int = 0) -> None:
         """Stop submitting; cancel queued reads; release objects read but not
@@ -90,6 +104,10 @@ class ReadStream:
         for f in futs:
             if not f.cancel():
                 f.add_done_callback(_release_result)
+        with self._lock:
+            ended = self._take_ended()
+        if ended is not None:
+            ended()
 
     def iter(self, timeout: float | None) -> Iterator[ChunkObject]:
         """Yield objects in key order. Each yielded object is handed over with

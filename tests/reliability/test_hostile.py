@@ -387,13 +387,14 @@ def test_a_read_opens_the_objects_path_in_one_call_where_the_kernel_can(tmp_path
     tier.close()
 
 
-@pytest.mark.parametrize("aio", [True, False])
-def test_a_load_opens_the_stores_folder_once_not_once_per_object(tmp_path, monkeypatch, resolution, aio):
+@pytest.mark.parametrize("abandoned", [False, True])
+@pytest.mark.parametrize("how", ["aio", "pool threads, O_DIRECT", "pool threads, buffered"])
+def test_a_load_opens_the_stores_folder_once_not_once_per_object(tmp_path, monkeypatch, resolution, how, abandoned):
     """A load's object opens start from the store's folder, opened once for
-    the load and closed after it (not held by the tier: that would keep an
-    unmounted file system busy). Reads on pool threads (``aio: false``, or
-    buffered) open it per object still."""
-    tier = _shared(tmp_path, aio=aio)
+    the load and closed after it, whichever way it reads, also when the
+    consumer gives up after the first object (not held by the tier: that
+    would keep an unmounted file system busy)."""
+    tier = _shared(tmp_path, aio=how == "aio", o_direct=how != "pool threads, buffered", read_window_bytes=2 * OBJ)
     c = make_chunks(6)
     tier.store(c.objs)
     base = str(tier.dir.base)
@@ -415,10 +416,17 @@ def test_a_load_opens_the_stores_folder_once_not_once_per_object(tmp_path, monke
 
     monkeypatch.setattr(os, "open", counting_open)
     monkeypatch.setattr(os, "close", counting_close)
-    bufs = [bytearray(len(p)) for p in c.payloads]
-    assert tier.load(c.keys, bufs) == 6
-    assert [bytes(b) for b in bufs] == c.payloads
+    if abandoned:
+        it = tier.fetch(c.keys)
+        first = next(it)
+        assert bytes(first.payload) == c.payloads[0]
+        first.release()
+        it.close()
+    else:
+        bufs = [bytearray(len(p)) for p in c.payloads]
+        assert tier.load(c.keys, bufs) == 6
+        assert [bytes(b) for b in bufs] == c.payloads
     tier.close()
-    assert len(opened) == (1 if aio else 6)
+    assert len(opened) == 1
     assert not held  # closed once the load ended
-    assert len(closed) == len(opened)
+    assert closed == opened
