@@ -155,7 +155,7 @@ class PooledTier(Tier):
             return iter(())
         stream = self._stream(keys, bufs)
         copy_here = None if bufs is None or stream.delivers else bufs
-        return self._drain(stream, keys, timeout, time.perf_counter(), copy_here)
+        return _Fetch(self._drain(stream, keys, timeout, time.perf_counter(), copy_here), stream)
 
     def _stream(self, keys: Sequence[ChunkKey], into: Sequence[memoryview] | None = None) -> ReadStream:
         """The reader of one fetch: ``_read_one`` per key on the pool, within
@@ -207,3 +207,30 @@ class PooledTier(Tier):
 
     def _describe(self, exc: BaseException) -> str:
         return str(exc)
+
+
+class _Fetch:
+    """What ``fetch`` returns: ``_drain``'s generator, whose stream is
+    stopped when it is closed even if it was never started. A store's fetch
+    starts the reads of all its segments at once and closes them all when it
+    ends; one that ends before a later segment (an earlier tier missed a
+    chunk its lookup had found) never starts that segment's generator, and
+    closing a generator that never ran runs none of its code: its stream
+    went on reading every key for nobody, its objects never released."""
+
+    __slots__ = ("_gen", "_stream", "_started")
+
+    def __init__(self, gen: Iterator[ChunkObject], stream):
+        self._gen, self._stream, self._started = gen, stream, False
+
+    def __iter__(self) -> "_Fetch":
+        return self
+
+    def __next__(self) -> ChunkObject:
+        self._started = True
+        return next(self._gen)
+
+    def close(self) -> None:
+        if not self._started:
+            self._stream.stop(0)
+        self._gen.close()

@@ -184,6 +184,33 @@ def test_a_segment_that_comes_up_short_ends_the_load(open_store):
     assert [bytes(b) for b in bufs[:5]] == c.payloads[:5]
 
 
+def test_a_load_that_ends_before_a_segment_stops_that_segments_reads(open_store, monkeypatch):
+    """Every segment's reads start with the load; one the load never
+    reaches (an earlier tier came up short) is stopped when the load ends:
+    its reads do not go on for nobody, and what it read is released."""
+    store = open_store()
+    c = make_chunks(10)
+    _layered(store, c)
+    plan = store.lookup(c.keys)
+    streams = []
+    shared = store.tier("shared")
+    real = shared._stream
+
+    def recorded(keys, into=None):
+        st = real(keys, into)
+        stop = st.stop
+        st.stopped_at = []
+        st.stop = lambda consumed=0: (st.stopped_at.append(consumed), stop(consumed))[1]
+        streams.append(st)
+        return st
+
+    monkeypatch.setattr(shared, "_stream", recorded)
+    store.tier("disk").delete([c.keys[5]])  # gone between lookup and load
+    bufs = [bytearray(len(p)) for p in c.payloads]
+    assert store.load(c.keys, bufs, plan) == 5
+    assert len(streams) == 1 and streams[0].stopped_at == [0]
+
+
 def test_load_stops_at_a_wrong_size_buffer(open_store):
     store = open_store()
     c = make_chunks(10)
