@@ -118,7 +118,7 @@ class OpenRead:
     mtime: float
 
     def close(self) -> None:
-        """Close the file (after ``finish_read(close=False)``)."""
+        """Close the file (after ``finish_read``)."""
         os.close(self.fd)
 
     def abandon(self, pool: BufferPool) -> None:
@@ -278,7 +278,7 @@ class ObjectDir:
             op.abandon(pool)
             raise
         try:
-            return self.finish_read(key, op, got, pool, close=False), op
+            return self.finish_read(key, op, got, pool), op
         except BaseException:
             op.close()
             raise
@@ -312,13 +312,11 @@ class ObjectDir:
             os.close(fd)
             raise
 
-    def finish_read(self, key: ChunkKey, op: "OpenRead", got: int, pool: BufferPool, close: bool = True) -> ChunkObject:
-        """The second half of ``read``: close the file (unless ``close`` is
-        False: the caller closes ``op.fd``) and verify the ``got`` bytes read
-        into ``op.buf`` (raises CorruptObject; the buffer goes back to
-        ``pool`` then)."""
-        if close:
-            os.close(op.fd)
+    def finish_read(self, key: ChunkKey, op: "OpenRead", got: int, pool: BufferPool) -> ChunkObject:
+        """The second half of ``read``: verify the ``got`` bytes read into
+        ``op.buf`` (raises CorruptObject; the buffer goes back to ``pool``
+        then). The file stays open (the caller's ``op.close``): a recency
+        stamp may still go through it."""
         try:
             return decode(op.buf, key, got, pool)
         except BaseException:
@@ -332,29 +330,29 @@ class ObjectDir:
         else folder by folder; from ``base``'s descriptor where given, else
         from the folder opened here. Raises CorruptObject for a symlink or a
         file where a folder or the object belongs."""
-        if not beneath.available():
+        own = base is None
+        handle = self.base_handle() if own else base  # the folder is never created here (``_open_dir``)
+        try:
+            if not beneath.available():
+                try:
+                    dfd = self._open_below(handle.fd(), parts)
+                except OSError as exc:
+                    if exc.errno in _NOT_OURS:
+                        raise CorruptObject(f"a symlink or file where a folder belongs ({exc.strerror})") from None
+                    raise
+                try:
+                    return self._open_object(dfd, name, o_direct)
+                finally:
+                    os.close(dfd)
             try:
-                dfd = self._open_dir(parts) if base is None else self._open_below(base.fd(), parts)
+                return self._open_object(handle.fd(), "/".join((*parts, name)), o_direct, beneath.open_beneath)
             except OSError as exc:
                 if exc.errno in _NOT_OURS:
-                    raise CorruptObject(f"a symlink or file where a folder belongs ({exc.strerror})") from None
+                    raise CorruptObject(f"a symlink or file on the object's path ({exc.strerror})") from None
                 raise
-            try:
-                return self._open_object(dfd, name, o_direct)
-            finally:
-                os.close(dfd)
-        bfd = -1
-        try:
-            # Never created here (``_open_dir``).
-            bfd = os.open(self.base, _DIR_FLAGS) if base is None else base.fd()
-            return self._open_object(bfd, "/".join((*parts, name)), o_direct, beneath.open_beneath)
-        except OSError as exc:
-            if exc.errno in _NOT_OURS:
-                raise CorruptObject(f"a symlink or file on the object's path ({exc.strerror})") from None
-            raise
         finally:
-            if bfd >= 0 and base is None:
-                os.close(bfd)
+            if own:
+                handle.close()
 
     def _open_object(self, dfd: int, name: str, o_direct: bool,
                      open_at: Callable[[int, str, int], int] | None = None) -> tuple[int, bool]:

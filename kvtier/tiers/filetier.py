@@ -163,7 +163,7 @@ class FileTier(PooledTier):
     def _finish_read(self, key: ChunkKey, op: OpenRead, got: int, t0: float, pool=None) -> ChunkObject | None:
         pool = self.pool if pool is None else pool
         try:
-            obj = self._judged(key, lambda: self.dir.finish_read(key, op, got, pool, close=False))
+            obj = self._judged(key, lambda: self.dir.finish_read(key, op, got, pool))
             if obj is not None:
                 # A recency stamp goes through the file still open: one
                 # ``futimens``, not its path walked again (on a network file
