@@ -122,9 +122,9 @@ def hold_reads(tier, keys: Sequence[ChunkKey], first_held: int, gate: threading.
         held(key)
         return read(key, **kw)
 
-    def finish_read(key, *args):
+    def finish_read(key, *args, **kw):
         held(key)
-        return finish(key, *args)
+        return finish(key, *args, **kw)
 
     tier._read_one, tier._finish_read = read_one, finish_read
 

@@ -94,7 +94,7 @@ class AioStream:
     closes and verifies it (the object, owned by ``pool``, or None if it
     failed verification); ``ended()`` is called once the driver is done
     with ``begin`` (what ``begin`` held open for the load, it may close
-    then). ``read_sync(key)`` reads
+    then); ``done()`` once the consumer is done (the first ``stop``). ``read_sync(key)`` reads
     one object the ordinary way, for the rare file the file system would not
     open with O_DIRECT, and for reads the kernel refused (EINVAL: a file
     system that opens with O_DIRECT but refuses the I/O, or AIO on it);
@@ -121,12 +121,16 @@ class AioStream:
         trace: ReadTrace | None = None,
         into: Sequence[memoryview] | LoadBuffers | None = None,
         ended: Callable[[], None] = lambda: None,
+        done: Callable[[], None] = lambda: None,
     ):
         self.path = path  # what the owner calls this way of reading (its accounting)
         self._keys = keys
         self._trace = trace  # a benchmark's record of when reads were in flight (None in service)
         self._refused = refused
         self._ended = ended  # called once the driver is done (with ``begin`` too)
+        # Called once, by the first ``stop`` (the consumer is done, or never
+        # started), on the stopping thread: it must not block.
+        self._done_hook: Callable[[], None] | None = done
         self._begin = begin
         self._finish = finish
         self._read_sync = read_sync
@@ -407,7 +411,8 @@ class AioStream:
     def stop(self, consumed: int = 0) -> None:
         """Stop submitting; release objects read but not handed out (reads
         still in flight are released by the driver as they land); return
-        once no copy into the caller's buffers is under way."""
+        once no copy into the caller's buffers is under way. The first call
+        runs the ``done`` hook."""
         with self._cond:
             self._consumed = consumed if self._consumed is None else min(self._consumed, consumed)
             drop = [v for i, v in self._results.items() if i >= self._consumed]
@@ -415,10 +420,13 @@ class AioStream:
                 del self._results[i]
             while self._copying:  # a copy into the caller's buffers is a memcpy: it ends promptly
                 self._cond.wait()
+            done, self._done_hook = self._done_hook, None
         self._job.cancel()
         for v in drop:
             if isinstance(v, ChunkObject):
                 v.release()
+        if done is not None:
+            done()
 
     def iter(self, timeout: float | None) -> Iterator[ChunkObject]:
         """Yield objects in key order. Each yielded object is handed over with

@@ -25,7 +25,9 @@ from kvtier.codec import ChunkObject
 from kvtier.config import ConfigError, opt
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import TierStats
+from kvtier.tiers.files import OpenRead
 from kvtier.tiers.filetier import FileTier, FileTierConfig
+from kvtier.tiers.stamps import LoadStamps
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +197,8 @@ class DiskTier(FileTier):
             used = self._used
         self.metrics.used(used)
 
-    def _touched(self, key: ChunkKey, mtime: float, fd: int | None = None) -> None:
+    def _touched(self, key: ChunkKey, mtime: float, op: OpenRead | None = None,
+                 later: LoadStamps | None = None) -> None:
         with self._lock:
             if key.digest in self._index:
                 self._index.move_to_end(key.digest)

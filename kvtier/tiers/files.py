@@ -40,6 +40,7 @@ from kvtier.config import ConfigError
 from kvtier.errors import CorruptObject
 from kvtier.keys import ChunkKey
 from kvtier.tiers import beneath
+from kvtier.tiers.stamps import LoadStamps
 
 
 log = logging.getLogger(__name__)
@@ -118,13 +119,20 @@ class OpenRead:
     mtime: float
 
     def close(self) -> None:
-        """Close the file (after ``finish_read``)."""
-        os.close(self.fd)
+        """Close the file (after ``finish_read``), unless ``take`` took it."""
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def take(self) -> int:
+        """The file, now the caller's to close (``close`` leaves it open)."""
+        fd, self.fd = self.fd, -1
+        return fd
 
     def abandon(self, pool: BufferPool) -> None:
         """Give up the read: close the file, return the buffer (only once no
         read into it is in flight)."""
-        os.close(self.fd)
+        self.close()
         pool.put(self.buf)
 
 
@@ -217,14 +225,15 @@ class ObjectDir:
 
     # ------------------------------------------------------------ read
     def read(self, key: ChunkKey, o_direct: bool, cold: bool, pool: BufferPool | None = None,
-             accept: Callable[[ChunkObject, float, int], None] | None = None,
+             accept: Callable[[ChunkObject, "OpenRead"], None] | None = None,
              base: BaseHandle | None = None) -> tuple[ChunkObject, float]:
         """Read and verify one object into a buffer from ``pool``. Returns it
-        with the file's mtime. ``accept(obj, mtime, fd)``, if given, is
-        called once the object verified, before its file ``fd`` is closed:
-        a reader's recency stamp goes through the file it has open, not
-        through its path walked again. ``base``: the store's folder as a load
-        holds it open (``open_read``).
+        with the file's mtime. ``accept(obj, op)``, if given, is called once
+        the object verified, before its file (``op``) is closed: a reader's
+        recency stamp goes through the file it has open, not through its
+        path walked again (or takes the file, ``op.take``, to stamp it
+        later). ``base``: the store's folder as a load holds it open
+        (``open_read``).
 
         Raises FileNotFoundError for a miss, CorruptObject for a bad object
         (a symlink, FIFO or other non-file where an object belongs included),
@@ -242,7 +251,7 @@ class ObjectDir:
             obj, op = self._read(key, False, cold, pool, base)
         try:
             if accept is not None:
-                accept(obj, op.mtime, op.fd)
+                accept(obj, op)
         except BaseException:
             obj.release()
             raise
@@ -474,16 +483,22 @@ class ObjectDir:
         finally:
             os.close(dfd)
 
-    def stamp(self, key: ChunkKey, mtime: float, interval_s: float, fd: int | None = None) -> None:
+    def stamp(self, key: ChunkKey, mtime: float, interval_s: float, op: "OpenRead | None" = None,
+              later: LoadStamps | None = None) -> None:
         """Recency: stamp ``key``'s mtime now, unless its stamp (``mtime``)
         is younger than ``interval_s``; an object gone meanwhile is left be.
-        ``fd``: the object's file, open (a read's): stamped through it."""
+        ``op``: a read of the object, its file still open: stamped through
+        it; by ``later``, the read's load, once its consumer is done, if
+        given (it takes the file)."""
         now = time.time()
         if now - mtime < interval_s:
             return
+        if op is not None and later is not None:
+            later.add(op.take())
+            return
         try:
-            if fd is not None:
-                os.utime(fd, (now, now))
+            if op is not None:
+                os.utime(op.fd, (now, now))
             else:
                 self.touch(key, now)
         except OSError:

@@ -21,7 +21,7 @@ from typing import Callable, Sequence, TypeVar
 from kvtier.codec import ChunkObject, key_of
 from kvtier.config import ConfigError, opt, size_field
 from kvtier.engine.breaker import CircuitBreaker
-from kvtier.engine.executor import DELETE, PriorityExecutor
+from kvtier.engine.executor import DELETE, LOAD, PriorityExecutor
 from kvtier.errors import CorruptObject
 from kvtier.keys import ChunkKey
 from kvtier.tiers import aio
@@ -31,6 +31,7 @@ from kvtier.tiers.pooled import PooledTier
 from kvtier.tiers.readpath import BUFFERED, DIRECT, ReadPathChooser
 from kvtier.tiers.readtrace import ReadTrace
 from kvtier.tiers.readstream import ReadStream
+from kvtier.tiers.stamps import LoadStamps, Owed
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -75,6 +76,9 @@ class FileTierConfig:
 
 class FileTier(PooledTier):
     Config = FileTierConfig
+    # Whether a load's recency stamps wait until its consumer is done
+    # (stamps.py): where a stamp is a round trip to a shared mount.
+    defer_stamps = False
 
     def __init__(self, config: FileTierConfig, metrics=None, breaker: CircuitBreaker | None = None, pool=None):
         super().__init__(config, metrics, breaker, pool)
@@ -86,6 +90,7 @@ class FileTier(PooledTier):
         # A benchmark's record of when this tier's AIO reads were in flight
         # (kvtier bench storage sets it); None in service.
         self.read_trace: ReadTrace | None = None
+        self._owed = Owed()  # stamps loads handed over and not made yet (``defer_stamps``)
 
     # ------------------------------------------------------------ hooks
     def _admit(self, key: ChunkKey, obj: ChunkObject) -> bool:
@@ -98,9 +103,11 @@ class FileTier(PooledTier):
     def _unadmit(self, key: ChunkKey, obj: ChunkObject) -> None:
         """A store admitted by ``_admit`` failed."""
 
-    def _touched(self, key: ChunkKey, mtime: float, fd: int | None = None) -> None:
-        """``key`` was just read (its file had ``mtime``; ``fd``: the file,
-        still open, where the read has it)."""
+    def _touched(self, key: ChunkKey, mtime: float, op: OpenRead | None = None,
+                 later: LoadStamps | None = None) -> None:
+        """``key`` was just read (its file had ``mtime``; ``op``: the read,
+        its file still open, where there is one; ``later``: its load's
+        stamps, where they wait for the load's end)."""
 
     def _forget(self, key: ChunkKey) -> None:
         """``key`` is gone (deleted, missing or quarantined)."""
@@ -114,15 +121,16 @@ class FileTier(PooledTier):
         self._forget(key)
 
     # ------------------------------------------------------------ contract
-    def _read_one(self, key: ChunkKey, direct: bool | None = None, base: BaseHandle | None = None) -> ChunkObject | None:
+    def _read_one(self, key: ChunkKey, direct: bool | None = None, base: BaseHandle | None = None,
+                  later: LoadStamps | None = None) -> ChunkObject | None:
         """Read one object on this thread: with O_DIRECT as configured, or as
         ``direct`` says; from ``base``, the store's folder as the load holds
-        it open, if given."""
+        it open, if given; its recency stamp by ``later``, if given."""
         t0 = time.perf_counter()
         direct = self.config.o_direct if direct is None else direct
         # Accepted with its file still open: a recency stamp goes through it.
         read = self._judged(key, lambda: self.dir.read(key, direct, self.config.cold_reads, self.pool,
-                                                       lambda obj, mtime, fd: self._accepted(key, obj, mtime, t0, fd),
+                                                       lambda obj, op: self._accepted(key, obj, op, t0, later),
                                                        base))
         return None if read is None else read[0]
 
@@ -133,12 +141,21 @@ class FileTier(PooledTier):
         path = self._paths.pick() if direct and self.config.adaptive_reads else (DIRECT if direct else BUFFERED)
         window, bpt = self.config.read_window_bytes, lambda: self._bytes_per_token
         base = self.dir.base_handle()  # the load's opens start from the store's folder, opened once
+        later = LoadStamps(self._run_later, self._owed) if self.defer_stamps else None
+        done = later.flush if later is not None else _nothing
         if path == DIRECT and self.config.aio and self._aio_ok and aio.available():
-            return AioStream(self.executor, keys, functools.partial(self._begin_read, base=base), self._finish_read,
-                             self._read_one, self.pool, window, bpt, refused=self._refuse_aio, path=path,
-                             contexts=self._aio_contexts, trace=self.read_trace, into=into, ended=base.close)
-        read = functools.partial(self._read_one, direct=path == DIRECT, base=base)
-        return ReadStream(self.executor, keys, read, window, bpt, path=path, ended=base.close)
+            return AioStream(self.executor, keys, functools.partial(self._begin_read, base=base),
+                             functools.partial(self._finish_read, later=later),
+                             functools.partial(self._read_one, base=base, later=later), self.pool, window, bpt,
+                             refused=self._refuse_aio, path=path, contexts=self._aio_contexts, trace=self.read_trace,
+                             into=into, ended=base.close, done=done)
+        read = functools.partial(self._read_one, direct=path == DIRECT, base=base, later=later)
+        return ReadStream(self.executor, keys, read, window, bpt, path=path, ended=base.close, done=done)
+
+    def _run_later(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on this tier's pool (a load's stamps; RuntimeError once
+        the tier is closing)."""
+        self.executor.submit(LOAD, fn)
 
     def _streamed(self, stream, nbytes: int, seconds: float) -> None:
         # Measured whether or not the choice is adaptive: the rates are an
@@ -160,17 +177,19 @@ class FileTier(PooledTier):
         pool = self.pool if pool is None else pool
         return self._judged(key, lambda: self.dir.open_read(key, True, pool, base))
 
-    def _finish_read(self, key: ChunkKey, op: OpenRead, got: int, t0: float, pool=None) -> ChunkObject | None:
+    def _finish_read(self, key: ChunkKey, op: OpenRead, got: int, t0: float, pool=None,
+                     later: LoadStamps | None = None) -> ChunkObject | None:
         pool = self.pool if pool is None else pool
         try:
             obj = self._judged(key, lambda: self.dir.finish_read(key, op, got, pool))
             if obj is not None:
                 # A recency stamp goes through the file still open: one
                 # ``futimens``, not its path walked again (on a network file
-                # system, round trips on the way to handing the object over).
-                self._accepted(key, obj, op.mtime, t0, op.fd)
+                # system, round trips); by the load once its consumer is
+                # done, where ``later`` is given.
+                self._accepted(key, obj, op, t0, later)
         finally:
-            op.close()
+            op.close()  # unless the stamp took it
         return obj
 
     def _judged(self, key: ChunkKey, read: Callable[[], T]) -> T | None:
@@ -190,10 +209,11 @@ class FileTier(PooledTier):
         self.metrics.corrupt()
         self._quarantine(key)
 
-    def _accepted(self, key: ChunkKey, obj: ChunkObject, mtime: float, t0: float, fd: int | None = None) -> None:
+    def _accepted(self, key: ChunkKey, obj: ChunkObject, op: OpenRead, t0: float,
+                  later: LoadStamps | None = None) -> None:
         self._bytes_per_token = max(1, obj.nbytes // max(1, obj.header.num_tokens))
         self.metrics.observe("read", time.perf_counter() - t0)
-        self._touched(key, mtime, fd)
+        self._touched(key, op.mtime, op, later)
 
     def store(self, objs: Sequence[ChunkObject]) -> int:
         """Write objects synchronously (callers run this on the tier's pool
@@ -251,3 +271,7 @@ class FileTier(PooledTier):
     def close(self) -> None:
         self.executor.close()
         self._aio_contexts.close()
+
+
+def _nothing() -> None:
+    pass

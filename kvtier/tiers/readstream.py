@@ -43,6 +43,7 @@ class ReadStream:
         bytes_per_token: Callable[[], int],
         path: str = "",
         ended: Callable[[], None] = lambda: None,
+        done: Callable[[], None] = lambda: None,
     ):
         self.path = path  # what the owner calls this way of reading (its accounting)
         self.delivers = False  # objects are handed over uncopied (``AioStream`` may copy them on its pool)
@@ -60,6 +61,9 @@ class ReadStream:
         # Called once no read is in flight and none will start (stopped, or
         # every key submitted): what the reads shared, the owner may close.
         self._ended: Callable[[], None] | None = ended
+        # Called once, by the first ``stop`` (the consumer is done, or never
+        # started), on the stopping thread: it must not block.
+        self._done_hook: Callable[[], None] | None = done
         self.failed: BaseException | None = None  # error or timeout that ended the stream
         with self._lock:
             self._fill()
@@ -97,10 +101,12 @@ class ReadStream:
 
     def stop(self, consumed: int = 0) -> None:
         """Stop submitting; cancel queued reads; release objects read but not
-        handed out (reads still running release theirs when they finish)."""
+        handed out (reads still running release theirs when they finish).
+        The first call runs the ``done`` hook."""
         with self._lock:
             self._stopped = True
             futs = [f for f in self._futs[consumed:] if f is not None]
+            done, self._done_hook = self._done_hook, None
         for f in futs:
             if not f.cancel():
                 f.add_done_callback(_release_result)
@@ -108,6 +114,8 @@ class ReadStream:
             ended = self._take_ended()
         if ended is not None:
             ended()
+        if done is not None:
+            done()
 
     def iter(self, timeout: float | None) -> Iterator[ChunkObject]:
         """Yield objects in key order. Each yielded object is handed over with

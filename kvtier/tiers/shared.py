@@ -31,8 +31,9 @@ from kvtier.keys import ChunkKey
 from kvtier.tiers.base import TierStats
 from kvtier.tiers.collector import Collector, GcResult, Trigger, WatermarkPolicy
 from kvtier.tiers.dirlease import DirLeases
-from kvtier.tiers.files import ObjectEntry
+from kvtier.tiers.files import ObjectEntry, OpenRead
 from kvtier.tiers.filetier import FileTier, FileTierConfig
+from kvtier.tiers.stamps import LoadStamps
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +72,15 @@ def _mtime(e: ObjectEntry) -> float:
     return e.mtime
 
 
+# How long a collection pass waits for the stamps loads still owe (stamps.py):
+# a pool job each, made as soon as a load ends, unless the mount hangs.
+_SETTLE_S = 5.0
+
+
 class SharedTier(FileTier):
     kind = "shared"
     Config = SharedConfig
+    defer_stamps = True  # a stamp is a round trip to the mount: made once the load's consumer is done
 
     def __init__(self, config: SharedConfig, metrics=None, breaker=None, pool=None):
         super().__init__(config, metrics, breaker, pool)
@@ -89,8 +96,9 @@ class SharedTier(FileTier):
             log.info("tier %s: swept %d orphaned temp files", self.name, swept)
 
     # ------------------------------------------------------------ hooks
-    def _touched(self, key: ChunkKey, mtime: float, fd: int | None = None) -> None:
-        self.dir.stamp(key, mtime, self.config.touch_interval_s, fd)
+    def _touched(self, key: ChunkKey, mtime: float, op: OpenRead | None = None,
+                 later: LoadStamps | None = None) -> None:
+        self.dir.stamp(key, mtime, self.config.touch_interval_s, op, later)
 
     def _stored(self, key, obj) -> None:
         """Count our write; start a background collection pass when one is due:
@@ -124,7 +132,11 @@ class SharedTier(FileTier):
     # ------------------------------------------------------------ gc
     def gc(self, dry_run: bool = False, progress: Callable[[int], None] | None = None) -> GcResult:
         """One collection pass (``Collector``). Safe to run from any number
-        of instances; a dry run takes no lease, deletes and sweeps nothing."""
+        of instances; a dry run takes no lease, deletes and sweeps nothing.
+        The stamps this instance's loads still owe are made first (at most
+        a few seconds' wait): recency is judged on them. Not with one I/O
+        thread: a pass running on it would wait for jobs queued behind it."""
+        self._owed.settle(_SETTLE_S if self.executor.workers > 1 else 0.0)
 
         def scan() -> list[ObjectEntry]:
             entries = []

@@ -47,7 +47,9 @@ from kvtier.codec import ChunkObject
 from kvtier.config import ConfigError, opt, size_field
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import TierStats
+from kvtier.tiers.files import OpenRead
 from kvtier.tiers.filetier import FileTier
+from kvtier.tiers.stamps import LoadStamps
 
 log = logging.getLogger(__name__)
 
@@ -206,8 +208,9 @@ class ShmTier(FileTier):
         self.metrics.used(used + size)
         return True, ""
 
-    def _touched(self, key: ChunkKey, mtime: float, fd: int | None = None) -> None:
-        self.dir.stamp(key, mtime, self.config.touch_interval_s, fd)
+    def _touched(self, key: ChunkKey, mtime: float, op: OpenRead | None = None,
+                 later: LoadStamps | None = None) -> None:
+        self.dir.stamp(key, mtime, self.config.touch_interval_s, op, later)
 
     def _quarantine(self, key: ChunkKey) -> None:
         # Kept aside, a bad object would hold node DRAM the ledger no longer
