@@ -45,6 +45,11 @@ class Metrics:
             f"{p}_read_path_loads", "Loads a directory tier read by each path (direct: O_DIRECT; buffered)",
             ["tier", "path"], registry=r,
         )
+        self.aio_reads = Gauge(
+            f"{p}_aio_reads", "1 while a directory tier issues its O_DIRECT reads with native AIO; 0 once it reads "
+            "them with pool threads (the kernel refused AIO there, or ran it before io_submit returned)",
+            ["tier"], registry=r,
+        )
         self.read_path_rate = Gauge(
             f"{p}_read_path_rate_bytes_per_second",
             "A directory tier's moving average of its loads' read rate, per path (adaptive reads choose by it)",
@@ -127,6 +132,9 @@ class TierMetrics:
         self._child(self.m.read_path_loads, path).inc()
         if rate is not None:
             self._child(self.m.read_path_rate, path).set(rate)
+
+    def aio_reads(self, on: bool) -> None:
+        self._child(self.m.aio_reads).set(1 if on else 0)
 
     def used(self, nbytes: int) -> None:
         self._child(self.m.used_bytes).set(nbytes)

@@ -94,7 +94,10 @@ class AioStream:
     closes and verifies it (the object, owned by ``pool``, or None if it
     failed verification); ``ended()`` is called once the driver is done
     with ``begin`` (what ``begin`` held open for the load, it may close
-    then); ``done()`` once the consumer is done (the first ``stop``). ``read_sync(key)`` reads
+    then); ``done()`` once the consumer is done (the first ``stop``);
+    ``timed(opening_s, active_s)`` once the driver is done, if it opened
+    anything: the seconds it spent opening objects, and from its first open
+    to its end. ``read_sync(key)`` reads
     one object the ordinary way, for the rare file the file system would not
     open with O_DIRECT, and for reads the kernel refused (EINVAL: a file
     system that opens with O_DIRECT but refuses the I/O, or AIO on it);
@@ -122,6 +125,7 @@ class AioStream:
         into: Sequence[memoryview] | LoadBuffers | None = None,
         ended: Callable[[], None] = lambda: None,
         done: Callable[[], None] = lambda: None,
+        timed: Callable[[float, float], None] = lambda opening_s, active_s: None,
     ):
         self.path = path  # what the owner calls this way of reading (its accounting)
         self._keys = keys
@@ -131,6 +135,17 @@ class AioStream:
         # Called once, by the first ``stop`` (the consumer is done, or never
         # started), on the stopping thread: it must not block.
         self._done_hook: Callable[[], None] | None = done
+        # Told, once the driver is done, the seconds it spent opening
+        # objects (``OpenRead.opened_s``: not the buffers taken) and from its
+        # first open to its end: where each open is a round trip (a network
+        # or FUSE mount), the first is most of the second, and one driver
+        # thread opens one object at a time where pool threads would open
+        # them side by side. (Not io_submit's time: on a local disk it
+        # includes writing back an object's dirty pages before an O_DIRECT
+        # read, the device's work, which threads would wait for as well.)
+        self._timed = timed
+        self._opening_s = 0.0
+        self._first: float | None = None
         self._begin = begin
         self._finish = finish
         self._read_sync = read_sync
@@ -231,6 +246,8 @@ class AioStream:
                     key = self._keys[nxt]
                     est = max(1, key.num_tokens * self._bpt())
                     t0 = time.perf_counter()
+                    if self._first is None:
+                        self._first = t0
                     pool = self._pool_for(nxt)
                     try:
                         op = self._begin(key, pool)
@@ -242,6 +259,7 @@ class AioStream:
                         self._set(nxt, None)
                         submitting = False
                         continue
+                    self._opening_s += op.opened_s
                     n = min(_MAX_PIECES, -(-len(op.buf) // self._piece))
                     piece = align_up(-(-len(op.buf) // n))  # n pieces of (about) one size
                     pieces = _pieces(len(op.buf), piece)
@@ -293,6 +311,8 @@ class AioStream:
             for _, r, _ in staged:
                 r.op.abandon(r.pool)
             self._ended()
+            if self._first is not None:
+                self._timed(self._opening_s, time.perf_counter() - self._first)
 
     def _landed(self, reads: list[tuple[int, "_Read"]]) -> None:
         """Queue landed reads (all of one reap: the lowest index among them

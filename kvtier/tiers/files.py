@@ -117,6 +117,7 @@ class OpenRead:
     size: int
     buf: memoryview
     mtime: float
+    opened_s: float = 0.0  # what opening and checking the file took (not the buffer)
 
     def close(self) -> None:
         """Close the file (after ``finish_read``), unless ``take`` took it."""
@@ -299,6 +300,7 @@ class ObjectDir:
         all of ``buf``, whose length is aligned) and calls ``finish_read``,
         or ``abandon``. ``base``: the store's folder, held open by a load
         (``base_handle``); else opened here. Raises like ``read``."""
+        t0 = time.perf_counter()
         parts, name = self._rel(key)
         fd, direct = self._open_object_beneath(parts, name, o_direct, base)
         try:
@@ -316,7 +318,8 @@ class ObjectDir:
                 if size < need:
                     raise CorruptObject(f"truncated: {size} B, need {need}")
                 size = need
-            return OpenRead(fd, direct, size, pool.get(align_up(size), direct_read=direct), st.st_mtime)
+            opened_s = time.perf_counter() - t0
+            return OpenRead(fd, direct, size, pool.get(align_up(size), direct_read=direct), st.st_mtime, opened_s)
         except BaseException:
             os.close(fd)
             raise

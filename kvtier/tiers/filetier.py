@@ -36,6 +36,18 @@ from kvtier.tiers.stamps import LoadStamps, Owed
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+# Where opening a file is a round trip (a network or FUSE mount), one AIO
+# driver thread opens a load's objects one after the other, where pool
+# threads open them side by side: through faultfs at 0.5 ms per operation a
+# 2k load took 72 ms by AIO and 28 ms on pool threads (docs/benchmarks.md).
+# A load whose driver spent at least this share of its time opening objects,
+# for this many loads in a row, each at least ``_SLOW_OPENS_MIN_S`` long,
+# moves the tier to pool threads. On a local disk an open takes microseconds
+# of a load's milliseconds.
+_SLOW_OPENS_SHARE = 0.5
+_SLOW_OPENS_LOADS = 3
+_SLOW_OPENS_MIN_S = 0.005
+
 
 @dataclass(frozen=True)
 class FileTierConfig:
@@ -85,7 +97,9 @@ class FileTier(PooledTier):
         self.dir = ObjectDir(config.path, f"{self.name}.path")
         self.executor = PriorityExecutor(self.name, config.io_threads)
         self._aio_contexts = aio.ContextPool()  # reused by the loads' AIO drivers
-        self._aio_ok = True  # false once the kernel refused this directory's AIO reads
+        self._aio_ok = True  # false once the kernel refused this directory's AIO reads, or ran them synchronously
+        self._slow_opens = 0  # AIO loads in a row whose driver spent most of its time opening files
+        self.metrics.aio_reads(config.o_direct and config.aio and aio.available())
         self._paths = ReadPathChooser()  # adaptive_reads: O_DIRECT or buffered, per load
         # A benchmark's record of when this tier's AIO reads were in flight
         # (kvtier bench storage sets it); None in service.
@@ -148,7 +162,7 @@ class FileTier(PooledTier):
                              functools.partial(self._finish_read, later=later),
                              functools.partial(self._read_one, base=base, later=later), self.pool, window, bpt,
                              refused=self._refuse_aio, path=path, contexts=self._aio_contexts, trace=self.read_trace,
-                             into=into, ended=base.close, done=done)
+                             into=into, ended=base.close, done=done, timed=self._aio_timed)
         read = functools.partial(self._read_one, direct=path == DIRECT, base=base, later=later)
         return ReadStream(self.executor, keys, read, window, bpt, path=path, ended=base.close, done=done)
 
@@ -165,10 +179,30 @@ class FileTier(PooledTier):
     def _refuse_aio(self) -> None:
         """The kernel refused an AIO read here: later loads use the pool's
         threads (logged once)."""
+        self._stop_aio("the kernel refused native AIO reads")
+
+    def _aio_timed(self, opening_s: float, active_s: float) -> None:
+        """An AIO load's driver spent ``opening_s`` of its ``active_s``
+        opening objects: after ``_SLOW_OPENS_LOADS`` loads in a row that
+        spent most of their time opening, later loads use the pool's
+        threads."""
+        if active_s < _SLOW_OPENS_MIN_S:
+            return  # too short to tell
+        if opening_s < _SLOW_OPENS_SHARE * active_s:
+            self._slow_opens = 0
+            return
+        self._slow_opens += 1
+        if self._slow_opens >= _SLOW_OPENS_LOADS:
+            self._stop_aio(f"AIO loads spent most of their time opening files, one at a time "
+                           f"({opening_s / active_s:.0%} of a load's {active_s * 1e3:.0f} ms, "
+                           f"{self._slow_opens} loads in a row)")
+
+    def _stop_aio(self, why: str) -> None:
+        """Later loads read with the pool's threads (logged once)."""
         if self._aio_ok:
             self._aio_ok = False
-            log.warning("tier %s: the kernel refused native AIO reads under %s; reading with threads from now on",
-                        self.name, self.dir.root)
+            self.metrics.aio_reads(False)
+            log.warning("tier %s: %s under %s; reading with threads from now on", self.name, why, self.dir.root)
 
     def _begin_read(self, key: ChunkKey, pool=None, base: BaseHandle | None = None) -> OpenRead | None:
         """Open ``key`` for an AIO read into a buffer of ``pool`` (default:

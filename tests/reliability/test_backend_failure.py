@@ -148,6 +148,32 @@ def test_a_hanging_shared_directory_costs_bounded_time_then_is_skipped(faulty_mo
         assert shared.breaker.state == "closed"
 
 
+def test_a_mount_where_each_open_is_a_round_trip_is_read_with_threads(faulty_mount, caplog):
+    """Where each open is a round trip, one AIO driver thread opens a load's
+    objects one after the other. After three loads that spent most of their
+    time opening, the tier reads with pool threads (side by
+    side), says so once and in its gauge, and no load misses."""
+    metrics = Metrics()
+    keys = keys_for(830, CHUNKS)
+    cfg = StoreConfig(tiers=(TierSpec("shared", shared_config(faulty_mount.path, 64 * OBJ)),))
+    with TieredStore(cfg, metrics) as store:
+        shared = store.tier("shared")
+        assert shared.config.o_direct and shared.config.aio and shared.dir.direct_ok
+        _save(store, keys)
+        assert store.flush(10)
+        assert metrics.value("kvtier_aio_reads", tier="shared") == 1
+        faulty_mount.set(latency_s=0.005)  # each read a 5 ms round trip
+        for _ in range(3):
+            assert _request(store, keys)[0] == CHUNKS
+        assert not shared._aio_ok
+        assert metrics.value("kvtier_aio_reads", tier="shared") == 0
+        warned = [r for r in caplog.records if "AIO loads spent most of their time opening files" in r.getMessage()]
+        assert len(warned) == 1
+        n, took = _request(store, keys)  # on threads: the reads side by side
+        assert n == CHUNKS
+        assert metrics.value("kvtier_errors_total", tier="shared", op="load") == 0
+
+
 @pytest.mark.parametrize("aio", [True, False], ids=["aio", "threads"])
 def test_a_mount_that_refuses_o_direct_reads_is_read_buffered_without_a_miss(faulty_mount, caplog, aio):
     """The default read path is O_DIRECT (through native AIO): a file system

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.codec import HEADER_BLOCK
+from kvtier.codec import HEADER_BLOCK, encode
 from kvtier.metrics import Metrics
 from kvtier.tiers.files import HOST, ObjectDir
 from kvtier.tiers.shared import SharedTier
-from tests.support import OBJ, assert_object, make_chunks, shared_config
+from tests.support import DTYPE, OBJ, assert_object, keys_for, make_chunks, shared_config
 from tests.tiers import shared_worker
 
 REPO = Path(__file__).resolve().parents[2]
@@ -436,6 +436,43 @@ def test_a_load_hands_its_objects_over_before_it_stamps_them(open_shared, monkey
     assert len(stamping) == 4
     assert all(os.stat(tier.dir.path(k)).st_mtime > s + 100 for k, s in zip(c.keys, stale))
     assert len(os.listdir("/proc/self/fd")) <= fds_before  # every file the stamps held is closed
+
+
+def test_a_tier_reads_with_threads_only_after_aio_loads_in_a_row_spent_most_of_their_time_opening(open_shared, caplog):
+    tier = open_shared()
+    assert tier._aio_ok
+    tier._aio_timed(0.009, 0.010)
+    tier._aio_timed(0.0009, 0.001)  # too short to tell: neither counts nor resets
+    tier._aio_timed(0.009, 0.010)
+    tier._aio_timed(0.002, 0.010)  # mostly waiting for the device: starts over
+    tier._aio_timed(0.009, 0.010)
+    tier._aio_timed(0.006, 0.010)
+    assert tier._aio_ok
+    assert tier.metrics.m.value("kvtier_aio_reads", tier=tier.name) == 1
+    tier._aio_timed(0.008, 0.010)
+    assert not tier._aio_ok
+    assert tier.metrics.m.value("kvtier_aio_reads", tier=tier.name) == 0
+    assert sum("AIO loads spent most of their time opening files" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_aio_loads_from_a_local_disk_stay_on_aio(open_shared, monkeypatch):
+    """On a local disk an open and an io_submit take microseconds: loads of
+    48 MiB are judged (long enough) and none moves the tier to threads."""
+    tier = open_shared(capacity=256 << 20)
+    assert tier.dir.direct_ok, "the test directory must take O_DIRECT reads (a real disk, not tmpfs)"
+    keys = keys_for(77, 16)
+    payloads = [os.urandom(3 << 20) for _ in keys]
+    tier.store([encode(k, DTYPE, (1536, 1024), p) for k, p in zip(keys, payloads)])
+    timed, real = [], tier._aio_timed
+    monkeypatch.setattr(tier, "_aio_timed", lambda s, a: (timed.append((s, a)), real(s, a)))
+    bufs = [memoryview(bytearray(3 << 20)) for _ in keys]
+    for _ in range(4):
+        tier.drop_cache()
+        assert tier.load(keys, bufs) == len(keys)
+        assert [bytes(b) for b in bufs] == payloads
+    assert len(timed) == 4 and any(a >= 0.005 for _, a in timed), timed
+    assert all(s < 0.5 * a for s, a in timed if a >= 0.005), timed
+    assert tier._aio_ok
 
 
 def test_a_skipped_store_stamps_the_existing_object(open_shared):
