@@ -176,6 +176,12 @@ class FileTier(PooledTier):
         # operator's view of the tier's read paths too.
         self.metrics.read_path(stream.path, self._paths.record(stream.path, nbytes, seconds))
 
+    @property
+    def reads_with_aio(self) -> bool:
+        """Whether this tier's O_DIRECT loads go through native AIO (as
+        configured, where the kernel has it, and not stopped since)."""
+        return self._aio_ok and self.config.o_direct and self.config.aio and aio.available()
+
     def _refuse_aio(self) -> None:
         """The kernel refused an AIO read here: later loads use the pool's
         threads (logged once)."""
