@@ -67,7 +67,9 @@ class FileTierConfig:
     io_threads: int = opt(16, "threads of this tier's I/O pool", ge=1)
     aio: bool = opt(True, "with o_direct: issue a load's reads with Linux native AIO from one driver thread, "
                     "each landed object verified on the pool (false: one pool thread per blocking read; where the "
-                    "kernel offers no AIO, threads are used anyway)")
+                    "kernel offers no AIO, threads are used anyway, and so they are once three loads in a row "
+                    "spent most of their time opening files: each open a round trip, as on network and FUSE "
+                    "mounts)")
     adaptive_reads: bool = opt(False, "with o_direct: read some loads buffered too, and read each load by whichever "
                                "path (O_DIRECT or buffered) this tier's recent loads read faster; one load in 16 "
                                "takes the other path to notice a change (measure it first: `kvtier bench storage "
