@@ -47,7 +47,8 @@ class Metrics:
         )
         self.aio_reads = Gauge(
             f"{p}_aio_reads", "1 while a directory tier issues its O_DIRECT reads with native AIO; 0 once it reads "
-            "them with pool threads (the kernel refused AIO there, or ran it before io_submit returned)",
+            "them with pool threads (the kernel refused AIO there, or its AIO loads spent most of their time opening "
+            "files, one at a time)",
             ["tier"], registry=r,
         )
         self.read_path_rate = Gauge(

@@ -99,9 +99,9 @@ class FileTier(PooledTier):
         self.dir = ObjectDir(config.path, f"{self.name}.path")
         self.executor = PriorityExecutor(self.name, config.io_threads)
         self._aio_contexts = aio.ContextPool()  # reused by the loads' AIO drivers
-        self._aio_ok = True  # false once the kernel refused this directory's AIO reads, or ran them synchronously
+        self._aio_ok = True  # false once the kernel refused this directory's AIO reads, or opens were too slow
         self._slow_opens = 0  # AIO loads in a row whose driver spent most of its time opening files
-        self.metrics.aio_reads(config.o_direct and config.aio and aio.available())
+        self.metrics.aio_reads(self.reads_with_aio)
         self._paths = ReadPathChooser()  # adaptive_reads: O_DIRECT or buffered, per load
         # A benchmark's record of when this tier's AIO reads were in flight
         # (kvtier bench storage sets it); None in service.
