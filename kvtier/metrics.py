@@ -51,6 +51,12 @@ class Metrics:
             "files, one at a time)",
             ["tier"], registry=r,
         )
+        self.load_drivers = Counter(
+            f"{p}_load_drivers_total",
+            "A directory tier's loads by what drove their reads: native (kvtier's native read loop), aio (the "
+            "Python driver with native AIO), threads (a pool thread per read)",
+            ["tier", "driver"], registry=r,
+        )
         self.read_path_rate = Gauge(
             f"{p}_read_path_rate_bytes_per_second",
             "A directory tier's moving average of its loads' read rate, per path (adaptive reads choose by it)",
@@ -133,6 +139,9 @@ class TierMetrics:
         self._child(self.m.read_path_loads, path).inc()
         if rate is not None:
             self._child(self.m.read_path_rate, path).set(rate)
+
+    def load_driver(self, driver: str) -> None:
+        self._child(self.m.load_drivers, driver).inc()
 
     def aio_reads(self, on: bool) -> None:
         self._child(self.m.aio_reads).set(1 if on else 0)

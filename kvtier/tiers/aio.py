@@ -104,6 +104,13 @@ class AioContext:
         self._closed = False
 
     @property
+    def id(self) -> int:
+        """The kernel's handle of this context (``aio_context_t``): for the
+        native read loop, which submits and reaps on it itself, and leaves
+        nothing in flight when it returns."""
+        return self._ctx.value
+
+    @property
     def room(self) -> int:
         return len(self._free)
 

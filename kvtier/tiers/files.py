@@ -179,6 +179,12 @@ class ObjectDir:
         parts, name = self._rel(key)
         return self.base.joinpath(*parts, name)
 
+    def rel_path(self, key: ChunkKey) -> bytes:
+        """``key``'s object's path below the store's folder (``base_handle``),
+        as ``open_read`` opens it where the kernel has ``openat2``."""
+        parts, name = self._rel(key)
+        return os.fsencode("/".join((*parts, name)))
+
     def _rel(self, key: ChunkKey) -> tuple[tuple[str, ...], str]:
         h = key.digest.hex()
         return ("objects", key.ns[:8].hex(), h[:2]), h + SUFFIX
@@ -324,13 +330,15 @@ class ObjectDir:
             os.close(fd)
             raise
 
-    def finish_read(self, key: ChunkKey, op: "OpenRead", got: int, pool: BufferPool) -> ChunkObject:
+    def finish_read(self, key: ChunkKey, op: "OpenRead", got: int, pool: BufferPool,
+                    payload_checked: bool = False) -> ChunkObject:
         """The second half of ``read``: verify the ``got`` bytes read into
         ``op.buf`` (raises CorruptObject; the buffer goes back to ``pool``
         then). The file stays open (the caller's ``op.close``): a recency
-        stamp may still go through it."""
+        stamp may still go through it. ``payload_checked``: as ``decode``'s
+        (the native read loop compared the payload's checksum)."""
         try:
-            return decode(op.buf, key, got, pool)
+            return decode(op.buf, key, got, pool, payload_checked)
         except BaseException:
             pool.put(op.buf)
             raise

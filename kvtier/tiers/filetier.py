@@ -24,7 +24,9 @@ from kvtier.engine.breaker import CircuitBreaker
 from kvtier.engine.executor import DELETE, LOAD, PriorityExecutor
 from kvtier.errors import CorruptObject
 from kvtier.keys import ChunkKey
-from kvtier.tiers import aio
+from kvtier.buffers import LoadBuffers, align_up
+from kvtier.codec import HEADER_BLOCK
+from kvtier.tiers import aio, beneath, nativestream
 from kvtier.tiers.aiostream import AioStream
 from kvtier.tiers.files import BaseHandle, ObjectDir, OpenRead
 from kvtier.tiers.pooled import PooledTier
@@ -70,6 +72,10 @@ class FileTierConfig:
                     "kernel offers no AIO, threads are used anyway, and so they are once three loads in a row "
                     "spent most of their time opening files: each open a round trip, as on network and FUSE "
                     "mounts)")
+    native_reads: bool = opt(True, "with aio: run a load's opens, reads and payload checksums in kvtier's native "
+                             "read loop, without the GIL, where it was built (`pip install` builds it where a C "
+                             "compiler is at hand; the metric kvtier_load_drivers_total says which driver read "
+                             "each load); false: the Python driver")
     adaptive_reads: bool = opt(False, "with o_direct: read some loads buffered too, and read each load by whichever "
                                "path (O_DIRECT or buffered) this tier's recent loads read faster; one load in 16 "
                                "takes the other path to notice a change (measure it first: `kvtier bench storage "
@@ -106,6 +112,7 @@ class FileTier(PooledTier):
         # A benchmark's record of when this tier's AIO reads were in flight
         # (kvtier bench storage sets it); None in service.
         self.read_trace: ReadTrace | None = None
+        self._payload_per_token = 0  # payload bytes of one token, once an object was read (0: not known)
         self._owed = Owed()  # stamps loads handed over and not made yet (``defer_stamps``)
 
     # ------------------------------------------------------------ hooks
@@ -151,8 +158,10 @@ class FileTier(PooledTier):
         return None if read is None else read[0]
 
     def _stream(self, keys: Sequence[ChunkKey], into: Sequence[memoryview] | None = None):
-        # O_DIRECT reads go through native AIO from one driver thread; the
-        # pool's threads read buffered files (AIO would run those inline).
+        # O_DIRECT reads go through native AIO: in the native read loop
+        # where it was built and takes the load, else from the Python
+        # driver's thread; the pool's threads read buffered files (AIO would
+        # run those inline).
         direct = self.config.o_direct and self.dir.direct_ok
         path = self._paths.pick() if direct and self.config.adaptive_reads else (DIRECT if direct else BUFFERED)
         window, bpt = self.config.read_window_bytes, lambda: self._bytes_per_token
@@ -160,13 +169,52 @@ class FileTier(PooledTier):
         later = LoadStamps(self._run_later, self._owed) if self.defer_stamps else None
         done = later.flush if later is not None else _nothing
         if path == DIRECT and self.config.aio and self._aio_ok and aio.available():
+            sizes = self._native_sizes(keys, into)
+            if sizes is not None:
+                try:
+                    stream = nativestream.NativeStream(
+                        self.executor, keys, [self.dir.rel_path(k) for k in keys], sizes, base.fd,
+                        functools.partial(self._finish_read, later=later, payload_checked=True),
+                        functools.partial(self._read_one, later=later), self.pool, window, self._aio_contexts,
+                        into=into, path=path, refused=self._refuse_aio, ended=base.close, done=done,
+                        timed=self._aio_timed, trace=self.read_trace)
+                    self.metrics.load_driver("native")
+                    return stream
+                except OSError as exc:  # no AIO context: the Python driver says why
+                    log.debug("tier %s: native read loop not started (%s)", self.name, exc)
+            self.metrics.load_driver("aio")
             return AioStream(self.executor, keys, functools.partial(self._begin_read, base=base),
                              functools.partial(self._finish_read, later=later),
                              functools.partial(self._read_one, base=base, later=later), self.pool, window, bpt,
                              refused=self._refuse_aio, path=path, contexts=self._aio_contexts, trace=self.read_trace,
                              into=into, ended=base.close, done=done, timed=self._aio_timed)
         read = functools.partial(self._read_one, direct=path == DIRECT, base=base, later=later)
+        self.metrics.load_driver("threads")
         return ReadStream(self.executor, keys, read, window, bpt, path=path, ended=base.close, done=done)
+
+    def _native_sizes(self, keys: Sequence[ChunkKey], into) -> list[int] | None:
+        """The object lengths a load through the native read loop expects
+        (its buffers' lengths), or None where that loop does not take the
+        load: not built or switched off, no ``openat2``, a file system that
+        refuses O_DIRECT, the caller's own buffers (copied into by the
+        Python driver's verification jobs), or no object read yet to know
+        a token's bytes by."""
+        if not (self.config.native_reads and nativestream.available() and beneath.available() and self.dir.direct_ok):
+            return None
+        if isinstance(into, LoadBuffers):
+            if len(into) < len(keys):
+                return None
+            return [HEADER_BLOCK + align_up(into.payload_bytes)] * len(keys)
+        if into is not None or not self._payload_per_token:
+            return None
+        return [HEADER_BLOCK + align_up(k.num_tokens * self._payload_per_token) for k in keys]
+
+    def _learn_sizes(self, obj: ChunkObject) -> None:
+        """What one token's payload takes, from an object read or written
+        here: a load's object lengths (``_native_sizes``)."""
+        per, rest = divmod(obj.header.payload_len, max(1, obj.header.num_tokens))
+        if not rest:
+            self._payload_per_token = per
 
     def _run_later(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on this tier's pool (a load's stamps; RuntimeError once
@@ -220,10 +268,10 @@ class FileTier(PooledTier):
         return self._judged(key, lambda: self.dir.open_read(key, True, pool, base))
 
     def _finish_read(self, key: ChunkKey, op: OpenRead, got: int, t0: float, pool=None,
-                     later: LoadStamps | None = None) -> ChunkObject | None:
+                     later: LoadStamps | None = None, payload_checked: bool = False) -> ChunkObject | None:
         pool = self.pool if pool is None else pool
         try:
-            obj = self._judged(key, lambda: self.dir.finish_read(key, op, got, pool))
+            obj = self._judged(key, lambda: self.dir.finish_read(key, op, got, pool, payload_checked))
             if obj is not None:
                 # A recency stamp goes through the file still open: one
                 # ``futimens``, not its path walked again (on a network file
@@ -254,6 +302,7 @@ class FileTier(PooledTier):
     def _accepted(self, key: ChunkKey, obj: ChunkObject, op: OpenRead, t0: float,
                   later: LoadStamps | None = None) -> None:
         self._bytes_per_token = max(1, obj.nbytes // max(1, obj.header.num_tokens))
+        self._learn_sizes(obj)
         self.metrics.observe("read", time.perf_counter() - t0)
         self._touched(key, op.mtime, op, later)
 
@@ -291,6 +340,7 @@ class FileTier(PooledTier):
             self._guard(False, "store")
             return False, "error"
         self._guard(True, "store")
+        self._learn_sizes(obj)
         self._stored(key, obj)
         self.metrics.wrote(obj.nbytes)
         self.metrics.observe("write", time.perf_counter() - t0)

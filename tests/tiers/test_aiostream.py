@@ -31,6 +31,7 @@ def open_tier(tmp_path):
 
     def open_(aio_on=True, metrics=None, pool=None, **kw):
         kw.setdefault("read_window_bytes", 4 * OBJ)  # a few reads in flight: windows refill during a load
+        kw.setdefault("native_reads", False)  # the Python driver (test_nativestream.py: the native loop)
         t = SharedTier(shared_config(tmp_path / "shared", 256 * OBJ, o_direct=True, aio=aio_on, **kw), metrics,
                        pool=pool)
         opened.append(t)

@@ -1,0 +1,648 @@
+/* kvtier._readloop: a directory tier's O_DIRECT load, run in one native call
+ * without the GIL (kvtier/tiers/nativestream.py drives it; docs/architecture.md).
+ *
+ * Why native: in Python a verified cold read cost about twice fio's CPU per
+ * GB, most of it neither the kernel's nor the checksum's but the interpreter's
+ * per-object steps and the hand-offs between a load's driver, its
+ * verification jobs and its consumer (GIL waits and wake-ups; measured in
+ * docs/benchmarks.md). Here one thread opens each object beneath the store's
+ * folder (openat2, no symlink followed), checks its size, submits its read
+ * (Linux native AIO), reaps, and checks the payload's XXH3-128 against the
+ * header, all without the GIL; the consumer waits for one object at a time,
+ * without the GIL too.
+ *
+ * What it decides is narrow on purpose: an object either read whole and its
+ * payload's checksum matched the header's (OK), or anything else (FALLBACK:
+ * not there, refused, another size, a failed read, a checksum that does not
+ * match). The Python side parses and checks the header itself (codec.decode,
+ * the format's one owner), and reads a FALLBACK object again the ordinary
+ * way, which tells a miss, a corrupt object (quarantined) and an error apart
+ * exactly as every other read does.
+ *
+ * Threads: ``run`` on one thread (a tier pool job); ``wait``, ``give`` and
+ * ``stop`` from any other, under the load's mutex.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/aio_abi.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#ifndef SYS_openat2
+#define SYS_openat2 437
+#endif
+
+struct kvt_open_how { uint64_t flags, mode, resolve; };
+#define KVT_RESOLVE_NO_SYMLINKS 0x04
+#define KVT_RESOLVE_BENEATH 0x08
+
+#define HEADER_BLOCK 4096
+#define ALIGN 4096
+#define MAX_PAYLOAD (1ULL << 32)
+#define MAX_PIECES 64
+
+typedef struct { uint64_t low64, high64; } xxh128_t;
+typedef xxh128_t (*xxh3_128_fn)(const void *, size_t);
+static xxh3_128_fn xxh3_128 = NULL;
+
+enum { PENDING = 0, OK = 1, FALLBACK = 2, SKIPPED = 3 };
+
+typedef struct {
+    char *path;           /* relative to the base folder */
+    unsigned char *buf;   /* NULL until ``give`` */
+    size_t cap;           /* the buffer's length: the object's, exactly */
+    uint64_t est;         /* bytes, for the window */
+    int state, err, fd;
+    int pieces, left, failed, short_at;
+    int64_t res[MAX_PIECES];
+    double mtime, opened_s, t0;
+    size_t size, piece;
+} item_t;
+
+typedef struct {
+    PyObject_HEAD
+    int base_fd, n, depth, min_inflight, refused;
+    item_t *items;
+    aio_context_t ctx;
+    uint64_t window, piece;
+    double taper, poll_s;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int limit, started, finished, waiters;
+    double opening_s, active_s;
+    int trace;            /* record when reads went to the kernel and landed */
+    int nev, capev;
+    double *ev_t;
+    int *ev_d;
+} Load;
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static void deadline_ts(struct timespec *ts, double timeout_s) {
+    clock_gettime(CLOCK_REALTIME, ts);
+    double sec = (double)ts->tv_sec + ts->tv_nsec * 1e-9 + timeout_s;
+    ts->tv_sec = (time_t)sec;
+    ts->tv_nsec = (long)((sec - (double)ts->tv_sec) * 1e9);
+}
+
+/* A benchmark's trace: ``delta`` pieces went to the kernel (> 0) or landed. */
+static void record(Load *ld, int delta) {
+    if (!ld->trace || delta == 0)
+        return;
+    if (ld->nev == ld->capev) {
+        int cap = ld->capev ? 2 * ld->capev : 256;
+        double *t = realloc(ld->ev_t, (size_t)cap * sizeof(double));
+        if (t)
+            ld->ev_t = t;
+        int *d = realloc(ld->ev_d, (size_t)cap * sizeof(int));
+        if (d)
+            ld->ev_d = d;
+        if (!t || !d)
+            return;
+        ld->capev = cap;
+    }
+    ld->ev_t[ld->nev] = now_s();
+    ld->ev_d[ld->nev++] = delta;
+}
+
+/* Publish item i's state; wake the consumer if it waits. */
+static void publish(Load *ld, int i, int state, int err) {
+    pthread_mutex_lock(&ld->mu);
+    ld->items[i].state = state;
+    ld->items[i].err = err;
+    if (ld->waiters)
+        pthread_cond_broadcast(&ld->cv);
+    pthread_mutex_unlock(&ld->mu);
+}
+
+/* Whether the object read into item ``it`` (``got`` bytes) has a payload
+ * whose XXH3-128 is the header's (offsets as in kvtier/codec.py). */
+static int payload_ok(const item_t *it, size_t got) {
+    const unsigned char *b = it->buf;
+    if (got < HEADER_BLOCK || memcmp(b, "KVTCHUNK", 8) != 0)
+        return 0;
+    uint64_t plen;
+    memcpy(&plen, b + 188, 8); /* little endian, as the format (x86-64, arm64) */
+    if (plen == 0 || plen > MAX_PAYLOAD || HEADER_BLOCK + plen > got || HEADER_BLOCK + plen > it->cap)
+        return 0;
+    xxh128_t h = xxh3_128(b + HEADER_BLOCK, (size_t)plen);
+    unsigned char d[16];
+    for (int k = 0; k < 8; k++) {
+        d[k] = (unsigned char)(h.high64 >> (56 - 8 * k));
+        d[8 + k] = (unsigned char)(h.low64 >> (56 - 8 * k));
+    }
+    return memcmp(d, b + 196, 16) == 0;
+}
+
+/* Open item i beneath the base folder with O_DIRECT; 0, or an errno. */
+static int open_item(Load *ld, item_t *it) {
+    double t0 = now_s();
+    it->t0 = t0;
+    struct kvt_open_how how = {O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_DIRECT | O_CLOEXEC, 0,
+                               KVT_RESOLVE_BENEATH | KVT_RESOLVE_NO_SYMLINKS};
+    long fd;
+    do {
+        fd = syscall(SYS_openat2, ld->base_fd, it->path, &how, sizeof how);
+    } while (fd < 0 && errno == EINTR);
+    if (fd < 0)
+        return errno;
+    struct stat st;
+    int bad = 0;
+    if (fstat((int)fd, &st) != 0)
+        bad = errno;
+    else if (!S_ISREG(st.st_mode) || (size_t)st.st_size != it->cap)
+        bad = EBADMSG; /* not a file, or not of the size expected: the ordinary read judges it */
+    if (bad) {
+        close((int)fd);
+        return bad;
+    }
+    it->fd = (int)fd;
+    it->size = (size_t)st.st_size;
+    it->mtime = (double)st.st_mtim.tv_sec + st.st_mtim.tv_nsec * 1e-9;
+    it->opened_s = now_s() - t0;
+    ld->opening_s += it->opened_s;
+    return 0;
+}
+
+/* The driver: everything between the first open and the last read landed. */
+static void drive(Load *ld) {
+    struct iocb *cbs = calloc((size_t)ld->depth, sizeof(struct iocb));
+    struct io_event *evs = calloc((size_t)ld->depth, sizeof(struct io_event));
+    int *free_slots = calloc((size_t)ld->depth, sizeof(int));
+    struct iocb **batch = calloc((size_t)ld->depth, sizeof(struct iocb *));
+    int nfree = ld->depth, inflight = 0, objs = 0, next = 0;
+    uint64_t inflight_bytes = 0, left_bytes = 0;
+    double t_first = now_s();
+    if (ld->base_fd < 0)
+        goto out; /* the folder would not open: every object SKIPPED */
+    if (!cbs || !evs || !free_slots || !batch) {
+        for (int i = 0; i < ld->n; i++)
+            publish(ld, i, FALLBACK, ENOMEM);
+        goto out;
+    }
+    for (int s = 0; s < ld->depth; s++)
+        free_slots[s] = s;
+    for (int i = 0; i < ld->n; i++)
+        left_bytes += ld->items[i].est;
+    for (;;) {
+        pthread_mutex_lock(&ld->mu);
+        int limit = ld->limit;
+        pthread_mutex_unlock(&ld->mu);
+        int want_buffer = 0;
+        while (next < limit) {
+            item_t *it = &ld->items[next];
+            uint64_t cap = (uint64_t)(ld->taper * (double)left_bytes);
+            if (cap > ld->window)
+                cap = ld->window;
+            if (!(objs < ld->min_inflight || inflight_bytes + it->est <= cap))
+                break;
+            pthread_mutex_lock(&ld->mu);
+            int have = it->buf != NULL;
+            pthread_mutex_unlock(&ld->mu);
+            if (!have) {
+                want_buffer = 1;
+                break;
+            }
+            int pieces = (int)((it->cap + ld->piece - 1) / ld->piece);
+            if (pieces > MAX_PIECES)
+                pieces = MAX_PIECES;
+            if (pieces > nfree)
+                break;
+            int err = open_item(ld, it);
+            if (err) {
+                left_bytes -= it->est;
+                publish(ld, next++, FALLBACK, err);
+                continue;
+            }
+            size_t piece = ((it->cap + pieces - 1) / pieces + ALIGN - 1) / ALIGN * ALIGN;
+            it->piece = piece;
+            it->pieces = it->left = 0;
+            int nb = 0;
+            for (size_t off = 0; off < it->cap; off += piece) {
+                int s = free_slots[--nfree];
+                struct iocb *cb = &cbs[s];
+                memset(cb, 0, sizeof *cb);
+                cb->aio_data = ((uint64_t)next << 16) | (uint64_t)s;
+                cb->aio_lio_opcode = IOCB_CMD_PREAD;
+                cb->aio_fildes = (uint32_t)it->fd;
+                cb->aio_buf = (uint64_t)(uintptr_t)(it->buf + off);
+                cb->aio_nbytes = it->cap - off < piece ? it->cap - off : piece;
+                cb->aio_offset = (int64_t)off;
+                it->res[it->pieces] = 0;
+                it->pieces++;
+                batch[nb++] = cb;
+            }
+            it->left = nb;
+            it->failed = 0;
+            int took = 0;
+            while (took < nb) {
+                long r = syscall(SYS_io_submit, ld->ctx, (long)(nb - took), batch + took);
+                if (r < 0 && errno == EINTR)
+                    continue;
+                if (r < 0 && errno == EAGAIN && inflight > 0) {
+                    /* The kernel is short of requests: wait for one to land. */
+                    struct timespec ts = {0, 1000000};
+                    nanosleep(&ts, NULL);
+                    continue;
+                }
+                if (r <= 0) {
+                    int e = r < 0 ? errno : EAGAIN;
+                    if (took == 0) {
+                        /* Nothing of it in flight: give its slots back. */
+                        for (int k = 0; k < nb; k++)
+                            free_slots[nfree++] = (int)(batch[k]->aio_data & 0xffff);
+                        if (e == EINVAL)
+                            ld->refused = 1;
+                        left_bytes -= it->est;
+                        publish(ld, next, FALLBACK, e);
+                        it = NULL;
+                        break;
+                    }
+                    /* Part of it in flight: the rest counts as failed pieces. */
+                    for (int k = took; k < nb; k++) {
+                        free_slots[nfree++] = (int)(batch[k]->aio_data & 0xffff);
+                        it->left--;
+                        it->failed = e;
+                    }
+                    break;
+                }
+                took += (int)r;
+            }
+            if (it != NULL) {
+                record(ld, took);
+                inflight += took;
+                objs++;
+                inflight_bytes += it->est;
+            }
+            next++;
+        }
+        if (inflight == 0) {
+            if (next >= limit)
+                break;
+            if (want_buffer) {
+                /* Nothing in flight and no buffer for the next object yet:
+                 * wait for the consumer's ``give`` (or ``stop``). */
+                struct timespec ts;
+                deadline_ts(&ts, ld->poll_s);
+                pthread_mutex_lock(&ld->mu);
+                if (ld->items[next].buf == NULL && next < ld->limit)
+                    pthread_cond_timedwait(&ld->cv, &ld->mu, &ts);
+                pthread_mutex_unlock(&ld->mu);
+            }
+            continue;
+        }
+        struct timespec wait = {(time_t)ld->poll_s, (long)((ld->poll_s - (double)(time_t)ld->poll_s) * 1e9)};
+        long got = syscall(SYS_io_getevents, ld->ctx, 1L, (long)ld->depth, evs, &wait);
+        if (got < 0) {
+            if (errno == EINTR)
+                continue;
+            /* Cannot reap: every read in flight stays in flight; stop
+             * submitting and let the drain below wait for them. */
+            break;
+        }
+        record(ld, -(int)got);
+        pthread_mutex_lock(&ld->mu);
+        limit = ld->limit;
+        pthread_mutex_unlock(&ld->mu);
+        for (long e = 0; e < got; e++) {
+            int i = (int)(evs[e].data >> 16), s = (int)(evs[e].data & 0xffff);
+            item_t *it = &ld->items[i];
+            int piece_ix = (int)(((struct iocb *)(uintptr_t)evs[e].obj)->aio_offset / (int64_t)it->piece);
+            free_slots[nfree++] = s;
+            inflight--;
+            it->res[piece_ix] = evs[e].res;
+            if (evs[e].res < 0)
+                it->failed = (int)-evs[e].res;
+            if (--it->left > 0)
+                continue;
+            objs--;
+            inflight_bytes -= it->est;
+            left_bytes -= it->est;
+            if (i >= limit) {
+                publish(ld, i, SKIPPED, 0);
+                continue;
+            }
+            if (it->failed) {
+                if (it->failed == EINVAL)
+                    ld->refused = 1;
+                publish(ld, i, FALLBACK, it->failed);
+                continue;
+            }
+            size_t whole = 0; /* bytes from the start without a gap */
+            for (int k = 0; k < it->pieces; k++) {
+                whole += (size_t)it->res[k];
+                size_t want = it->cap - (size_t)k * it->piece < it->piece ? it->cap - (size_t)k * it->piece : it->piece;
+                if ((size_t)it->res[k] < want)
+                    break;
+            }
+            it->size = whole;
+            publish(ld, i, payload_ok(it, whole) ? OK : FALLBACK, EBADMSG);
+        }
+    }
+    /* Drain: no buffer is written to once ``run`` returned. */
+    while (inflight > 0) {
+        long got = syscall(SYS_io_getevents, ld->ctx, 1L, (long)ld->depth, evs, NULL);
+        if (got < 0) {
+            if (errno == EINTR)
+                continue;
+            break; /* cannot happen with a valid context; nothing else to do */
+        }
+        record(ld, -(int)got);
+        for (long e = 0; e < got; e++) {
+            int i = (int)(evs[e].data >> 16);
+            inflight--;
+            if (--ld->items[i].left == 0)
+                publish(ld, i, SKIPPED, 0);
+        }
+    }
+out:
+    pthread_mutex_lock(&ld->mu);
+    for (int i = 0; i < ld->n; i++)
+        if (ld->items[i].state == PENDING)
+            ld->items[i].state = SKIPPED;
+    ld->finished = 1;
+    ld->active_s = now_s() - t_first;
+    pthread_cond_broadcast(&ld->cv);
+    pthread_mutex_unlock(&ld->mu);
+    free(cbs);
+    free(evs);
+    free(free_slots);
+    free(batch);
+}
+
+/* ------------------------------------------------------------ Python type */
+
+static void Load_dealloc(Load *ld) {
+    if (ld->items) {
+        for (int i = 0; i < ld->n; i++)
+            free(ld->items[i].path);
+        free(ld->items);
+    }
+    free(ld->ev_t);
+    free(ld->ev_d);
+    pthread_mutex_destroy(&ld->mu);
+    pthread_cond_destroy(&ld->cv);
+    Py_TYPE(ld)->tp_free((PyObject *)ld);
+}
+
+static int Load_init(Load *ld, PyObject *args, PyObject *kw) {
+    static char *names[] = {"paths", "sizes", "ctx", "depth", "window", "taper",
+                            "min_inflight", "piece", "poll_s", "trace", NULL};
+    PyObject *paths, *sizes;
+    unsigned long long ctx, window, piece;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOKiKdiKd|p", names, &paths, &sizes, &ctx,
+                                     &ld->depth, &window, &ld->taper, &ld->min_inflight, &piece, &ld->poll_s, &ld->trace))
+        return -1;
+    if (xxh3_128 == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "kvtier._readloop: set_hash() was not called");
+        return -1;
+    }
+    if (ld->depth < MAX_PIECES || ld->depth > 65535 || piece < ALIGN || piece % ALIGN) {
+        PyErr_SetString(PyExc_ValueError, "depth must be 64-65535, piece a multiple of 4096");
+        return -1;
+    }
+    Py_ssize_t n = PySequence_Size(paths);
+    if (n < 0 || PySequence_Size(sizes) != n) {
+        PyErr_SetString(PyExc_ValueError, "paths and sizes: sequences of one length");
+        return -1;
+    }
+    ld->ctx = (aio_context_t)ctx;
+    ld->window = window;
+    ld->piece = piece;
+    ld->n = (int)n;
+    ld->limit = (int)n;
+    ld->items = calloc(n ? (size_t)n : 1, sizeof(item_t));
+    if (!ld->items) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    pthread_mutex_init(&ld->mu, NULL);
+    pthread_cond_init(&ld->cv, NULL);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *p = PySequence_GetItem(paths, i), *s = PySequence_GetItem(sizes, i);
+        const char *c = p ? PyBytes_AsString(p) : NULL;
+        unsigned long long size = s ? PyLong_AsUnsignedLongLong(s) : 0;
+        Py_XDECREF(p);
+        Py_XDECREF(s);
+        if (c == NULL || PyErr_Occurred())
+            return -1;
+        if (size == 0 || size % ALIGN) {
+            PyErr_SetString(PyExc_ValueError, "object sizes: positive multiples of 4096");
+            return -1;
+        }
+        ld->items[i].path = strdup(c);
+        ld->items[i].cap = (size_t)size;
+        ld->items[i].est = size;
+        ld->items[i].fd = -1;
+        if (!ld->items[i].path) {
+            PyErr_NoMemory();
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static int check_index(Load *ld, int i) {
+    if (i < 0 || i >= ld->n) {
+        PyErr_SetString(PyExc_IndexError, "object index out of range");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *Load_give(Load *ld, PyObject *args) {
+    int i;
+    unsigned long long addr;
+    if (!PyArg_ParseTuple(args, "iK", &i, &addr) || check_index(ld, i))
+        return NULL;
+    pthread_mutex_lock(&ld->mu);
+    int fresh = ld->items[i].buf == NULL;
+    if (fresh)
+        ld->items[i].buf = (unsigned char *)(uintptr_t)addr;
+    pthread_cond_broadcast(&ld->cv);
+    pthread_mutex_unlock(&ld->mu);
+    if (!fresh) {
+        PyErr_SetString(PyExc_ValueError, "object already has a buffer");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Load_run(Load *ld, PyObject *args) {
+    if (!PyArg_ParseTuple(args, "i", &ld->base_fd))
+        return NULL;
+    pthread_mutex_lock(&ld->mu);
+    int again = ld->started;
+    ld->started = 1;
+    pthread_mutex_unlock(&ld->mu);
+    if (again) {
+        PyErr_SetString(PyExc_RuntimeError, "a load runs once");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    drive(ld);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* Wait until object i is no longer pending, or the timeout (seconds; None:
+ * no limit): its state, PENDING on a timeout. */
+static PyObject *Load_wait(Load *ld, PyObject *args) {
+    int i;
+    PyObject *timeout;
+    if (!PyArg_ParseTuple(args, "iO", &i, &timeout) || check_index(ld, i))
+        return NULL;
+    double t = -1.0;
+    if (timeout != Py_None) {
+        t = PyFloat_AsDouble(timeout);
+        if (t == -1.0 && PyErr_Occurred())
+            return NULL;
+        if (t < 0)
+            t = 0;
+    }
+    int state;
+    Py_BEGIN_ALLOW_THREADS
+    struct timespec ts;
+    if (t >= 0)
+        deadline_ts(&ts, t);
+    pthread_mutex_lock(&ld->mu);
+    ld->waiters++;
+    while (ld->items[i].state == PENDING && !ld->finished) {
+        if (t < 0)
+            pthread_cond_wait(&ld->cv, &ld->mu);
+        else if (pthread_cond_timedwait(&ld->cv, &ld->mu, &ts) == ETIMEDOUT)
+            break;
+    }
+    ld->waiters--;
+    state = ld->items[i].state;
+    pthread_mutex_unlock(&ld->mu);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(state);
+}
+
+static PyObject *Load_stop(Load *ld, PyObject *args) {
+    int limit;
+    if (!PyArg_ParseTuple(args, "i", &limit))
+        return NULL;
+    pthread_mutex_lock(&ld->mu);
+    if (limit < ld->limit)
+        ld->limit = limit < 0 ? 0 : limit;
+    pthread_cond_broadcast(&ld->cv);
+    pthread_mutex_unlock(&ld->mu);
+    Py_RETURN_NONE;
+}
+
+/* Object i's outcome: (state, errno, fd, bytes read, mtime, opened_s, t0:
+ * when its open began, in time.perf_counter()'s seconds). The
+ * fd (-1 if never opened) is the caller's to close once ``run`` returned
+ * or the object is OK. */
+static PyObject *Load_item(Load *ld, PyObject *args) {
+    int i;
+    if (!PyArg_ParseTuple(args, "i", &i) || check_index(ld, i))
+        return NULL;
+    pthread_mutex_lock(&ld->mu);
+    item_t it = ld->items[i];
+    pthread_mutex_unlock(&ld->mu);
+    return Py_BuildValue("(iiinddd)", it.state, it.err, it.fd, (Py_ssize_t)it.size, it.mtime, it.opened_s, it.t0);
+}
+
+static PyObject *Load_times(Load *ld, PyObject *unused) {
+    pthread_mutex_lock(&ld->mu);
+    PyObject *r = Py_BuildValue("(ddi)", ld->opening_s, ld->active_s, ld->refused);
+    pthread_mutex_unlock(&ld->mu);
+    return r;
+}
+
+/* The trace: [(time.perf_counter() seconds, pieces +submitted/-landed)]. */
+static PyObject *Load_events(Load *ld, PyObject *unused) {
+    pthread_mutex_lock(&ld->mu);
+    int done = ld->finished;
+    pthread_mutex_unlock(&ld->mu);
+    if (!done) {
+        PyErr_SetString(PyExc_RuntimeError, "events() once run() returned");
+        return NULL;
+    }
+    PyObject *out = PyList_New(ld->nev);
+    for (int k = 0; out && k < ld->nev; k++) {
+        PyObject *e = Py_BuildValue("(di)", ld->ev_t[k], ld->ev_d[k]);
+        if (!e) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, k, e);
+    }
+    return out;
+}
+
+static PyMethodDef Load_methods[] = {
+    {"events", (PyCFunction)Load_events, METH_NOARGS, "The trace, once run returned."},
+    {"run", (PyCFunction)Load_run, METH_VARARGS,
+     "run(base_fd): read the load's objects, their paths below that folder (blocks; no GIL held); "
+     "base_fd < 0: none (each ends SKIPPED)."},
+    {"give", (PyCFunction)Load_give, METH_VARARGS, "give(i, address): object i's buffer, of its size."},
+    {"wait", (PyCFunction)Load_wait, METH_VARARGS, "wait(i, timeout_s or None) -> state."},
+    {"stop", (PyCFunction)Load_stop, METH_VARARGS, "stop(limit): read nothing from index limit on."},
+    {"item", (PyCFunction)Load_item, METH_VARARGS, "item(i) -> (state, errno, fd, got, mtime, opened_s, t0)."},
+    {"times", (PyCFunction)Load_times, METH_NOARGS, "(opening_s, active_s, refused) once run returned."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject LoadType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvtier._readloop.Load",
+    .tp_basicsize = sizeof(Load),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Load_init,
+    .tp_dealloc = (destructor)Load_dealloc,
+    .tp_methods = Load_methods,
+    .tp_doc = "One load's reads (see the module's docstring).",
+};
+
+static PyObject *set_hash(PyObject *self, PyObject *args) {
+    unsigned long long addr;
+    if (!PyArg_ParseTuple(args, "K", &addr))
+        return NULL;
+    xxh3_128 = (xxh3_128_fn)(uintptr_t)addr;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"set_hash", set_hash, METH_VARARGS, "set_hash(address of XXH3_128bits)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "kvtier._readloop",
+    "A directory tier's O_DIRECT load without the GIL (see readloop.c).", -1, module_methods,
+};
+
+PyMODINIT_FUNC PyInit__readloop(void) {
+    if (PyType_Ready(&LoadType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&LoadType);
+    if (PyModule_AddObject(m, "Load", (PyObject *)&LoadType) < 0) {
+        Py_DECREF(&LoadType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    PyModule_AddIntConstant(m, "PENDING", PENDING);
+    PyModule_AddIntConstant(m, "OK", OK);
+    PyModule_AddIntConstant(m, "FALLBACK", FALLBACK);
+    PyModule_AddIntConstant(m, "SKIPPED", SKIPPED);
+    return m;
+}

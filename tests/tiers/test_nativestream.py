@@ -1,0 +1,314 @@
+"""The native read loop (``NativeStream``, kvtier/_native/readloop.c): it is
+the path an ``o_direct`` directory tier takes here, it serves what the
+Python driver serves, what it cannot settle is read the ordinary way
+(a bad object quarantined, an object of another size served), and every
+buffer and descriptor it takes goes back whatever happens to the load (a
+miss, an abandoned iteration, a timeout on a hung mount)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from kvtier.buffers import LoadBuffers
+from kvtier.metrics import Metrics
+from kvtier.tiers import nativestream
+from kvtier.tiers.aiostream import AioStream
+from kvtier.tiers.nativestream import NativeStream
+from kvtier.tiers.readstream import MIN_INFLIGHT
+from kvtier.tiers.readtrace import BEGIN, END, ReadTrace
+from kvtier.tiers.shared import SharedTier
+from tests.support import OBJ, assert_object, make_chunks, shared_config
+from tests.tiers.test_aiostream import CountingPool, _all_returned, _payloads
+
+
+def test_the_native_loop_is_built_here():
+    """``make venv`` builds it (setup.py): were the build to fail silently,
+    every load would take the Python driver and this fails instead."""
+    assert nativestream.available()
+
+
+@pytest.fixture
+def open_tier(tmp_path):
+    opened = []
+
+    def open_(metrics=None, pool=None, path=None, **kw):
+        kw.setdefault("read_window_bytes", 4 * OBJ)  # a few reads in flight: windows refill during a load
+        t = SharedTier(shared_config(path or tmp_path / "shared", 256 * OBJ, o_direct=True, **kw), metrics, pool=pool)
+        opened.append(t)
+        return t
+
+    yield open_
+    for t in opened:
+        t.close()
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _no_fd_leak(before: int, timeout: float = 5.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if _fds() <= before:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_loads_take_the_native_loop_and_serve_what_the_python_driver_serves(open_tier):
+    c = make_chunks(40)
+    metrics = Metrics()
+    tier = open_tier(metrics=metrics)
+    assert tier.store(c.objs) == 40
+    stream = tier._stream(c.keys)
+    assert isinstance(stream, NativeStream), "o_direct with aio on must read through the native loop here"
+    got = _taken(stream, keep=True)
+    assert [bytes(o.payload) for o in got] == c.payloads
+    for o in got:
+        o.release()
+    assert tier.dir.direct_ok, "the test directory refused O_DIRECT: the native loop was not exercised"
+    python = open_tier(path=tier.dir.root, native_reads=False, metrics=metrics)
+    assert isinstance(python._stream(c.keys[:1]), AioStream)
+    assert _payloads(tier, c.keys) == _payloads(python, c.keys) == c.payloads
+    assert metrics.value("kvtier_load_drivers_total", tier=tier.name, driver="native") == 2
+    assert metrics.value("kvtier_load_drivers_total", tier=tier.name, driver="aio") == 2
+
+
+def _taken(stream, keep: bool = False) -> list:
+    """The objects a stream yields, checked and released (``keep``: not
+    released, the caller's to release)."""
+    out = []
+    for obj in stream.iter(5.0):
+        out.append(obj)
+        if not keep:
+            obj.release()
+    return out
+
+
+def test_a_load_into_lent_buffers_reads_each_object_in_its_slot(open_tier):
+    tier = open_tier()
+    c = make_chunks(12)
+    tier.store(c.objs)
+    into = LoadBuffers(tier.pool, 12, len(c.payloads[0]))
+    stream = tier._stream(c.keys, into)
+    assert isinstance(stream, NativeStream) and stream.delivers
+    got = _taken(stream, keep=True)
+    assert len(got) == 12
+    assert [bytes(into.payload(i)) for i in range(12)] == c.payloads
+    assert all(into.lender(i).holds(o.buf) for i, o in enumerate(got))  # read in place, not copied
+    for o in got:
+        o.release()
+
+
+def test_a_load_stops_at_the_first_missing_object_and_returns_every_buffer_and_descriptor(open_tier):
+    pool = CountingPool()
+    tier = open_tier(pool=pool)
+    c = make_chunks(30)
+    tier.store(c.objs)
+    tier.delete([c.keys[17]])
+    before = _fds()
+    assert len(_payloads(tier, c.keys)) == 17
+    assert _all_returned(pool)
+    assert _no_fd_leak(before)
+
+
+def test_a_bad_object_is_read_again_the_ordinary_way_quarantined_and_counted(open_tier):
+    metrics = Metrics()
+    pool = CountingPool()
+    tier = open_tier(metrics=metrics, pool=pool, read_window_bytes=64 * OBJ)  # reads past the bad one in flight
+    c = make_chunks(30)
+    tier.store(c.objs)
+    path = tier.dir.path(c.keys[9])
+    with open(path, "r+b") as f:
+        f.seek(4096 + 10)
+        b = f.read(1)
+        f.seek(4096 + 10)
+        f.write(bytes([b[0] ^ 0xFF]))
+    before = _fds()
+    stream = tier._stream(c.keys[:1])
+    assert isinstance(stream, NativeStream)
+    stream.stop()
+    assert len(_payloads(tier, c.keys)) == 9
+    assert metrics.value("kvtier_integrity_failures_total", tier=tier.name) == 1
+    assert not path.exists()
+    assert _all_returned(pool)
+    assert _no_fd_leak(before)
+
+
+@pytest.mark.parametrize("where", ["header", "padding"])
+def test_damage_the_loop_does_not_check_is_caught_by_the_header_check(open_tier, where):
+    """The loop compares the payload's checksum only; the header's own
+    checksum and the zero padding are checked by ``codec.decode`` as on
+    every path."""
+    metrics = Metrics()
+    tier = open_tier(metrics=metrics)
+    c = make_chunks(6)
+    tier.store(c.objs)
+    path = tier.dir.path(c.keys[2])
+    with open(path, "r+b") as f:
+        f.seek(100 if where == "header" else 1000)  # a namespace byte; the header block's zero padding
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x01]))
+    assert len(_payloads(tier, c.keys)) == 2
+    assert metrics.value("kvtier_integrity_failures_total", tier=tier.name) == 1
+
+
+def test_objects_of_a_size_other_than_expected_are_read_the_ordinary_way(open_tier):
+    """The loop reads an object into a buffer of the length the tier
+    expects; a file of another length is not its to judge: it is served by
+    the ordinary read (here every object, as if a token's bytes changed)."""
+    pool = CountingPool()
+    tier = open_tier(pool=pool)
+    c = make_chunks(6)
+    tier.store(c.objs)
+    tier._payload_per_token *= 2  # every object is now shorter than its buffer
+    stream = tier._stream(c.keys)
+    assert isinstance(stream, NativeStream)
+    got = _taken(stream, keep=True)
+    assert [bytes(o.payload) for o in got] == c.payloads
+    for o, k in zip(got, c.keys):
+        assert_object(o, k)
+        o.release()
+    assert _all_returned(pool)
+
+
+def test_an_abandoned_load_returns_every_buffer_and_descriptor(open_tier):
+    pool = CountingPool()
+    tier = open_tier(pool=pool, read_window_bytes=64 * OBJ)
+    c = make_chunks(60)
+    tier.store(c.objs)
+    before = _fds()
+    it = tier.fetch(c.keys)
+    got = [next(it) for _ in range(3)]
+    it.close()  # the engine gave up on the rest
+    for o in got:
+        o.release()
+    assert _all_returned(pool)
+    assert _no_fd_leak(before)
+    assert len(_payloads(tier, c.keys)) == 60  # and the tier serves the next load whole
+
+
+@pytest.mark.parametrize("cut", [None, 4096 + 100, 4096])
+def test_objects_read_in_pieces_arrive_whole_and_a_cut_file_is_caught(open_tier, cut):
+    metrics = Metrics()
+    pool = CountingPool()
+    tier = open_tier(metrics=metrics, pool=pool, read_window_bytes=16 * OBJ)
+    c = make_chunks(12)
+    tier.store(c.objs)
+    if cut is not None:
+        os.truncate(tier.dir.path(c.keys[5]), cut)
+    base = tier.dir.base_handle()
+    stream = NativeStream(tier.executor, c.keys, [tier.dir.rel_path(k) for k in c.keys], [OBJ] * 12, base.fd,
+                          tier._finish_read, tier._read_one, pool, 16 * OBJ, tier._aio_contexts,
+                          ended=base.close, piece_bytes=4096)
+    got = []
+    for obj in stream.iter(5.0):
+        assert_object(obj, c.keys[len(got)])
+        got.append(obj)
+        obj.release()
+    assert len(got) == (12 if cut is None else 5)
+    assert metrics.value("kvtier_integrity_failures_total", tier=tier.name) == (0 if cut is None else 1)
+    assert _all_returned(pool)
+
+
+def _peak(trace: ReadTrace) -> list[int]:
+    """Reads in flight after each event of the trace."""
+    running, out = 0, []
+    for _, kind, d in sorted(trace._events):
+        if kind == "io":
+            running += d
+            out.append(running)
+    return out
+
+
+def test_a_traced_load_records_every_read_it_submitted_landing(open_tier):
+    tier = open_tier()
+    c = make_chunks(10)
+    tier.store(c.objs)
+    tier.read_trace = trace = ReadTrace()
+    trace.mark(BEGIN)
+    assert _payloads(tier, c.keys) == c.payloads
+    trace.mark(END)
+    ios = [d for _, kind, d in trace._events if kind == "io"]
+    assert sum(d for d in ios if d > 0) == 10 and sum(ios) == 0  # every read submitted landed
+    (load,) = trace.loads()
+    assert 0 <= load.start_s + load.between_s + load.tail_s <= load.load_s
+
+
+def test_a_window_smaller_than_an_object_keeps_two_reads_in_flight(open_tier):
+    tier = open_tier(read_window_bytes=OBJ // 2)
+    c = make_chunks(8)
+    tier.store(c.objs)
+    tier.read_trace = trace = ReadTrace()
+    assert _payloads(tier, c.keys) == c.payloads
+    assert max(_peak(trace)) == MIN_INFLIGHT == 2
+
+
+def test_a_load_keeps_a_quarter_of_what_is_left_off_the_device(open_tier):
+    """As the Python driver's (_TAPER): at most three quarters of what has
+    not landed yet is in flight, so the load's last reads land few."""
+    tier = open_tier(read_window_bytes=64 * OBJ)  # room for the whole load
+    c = make_chunks(16)
+    tier.store(c.objs)
+    tier.read_trace = trace = ReadTrace()
+    assert _payloads(tier, c.keys) == c.payloads
+    first_landing = next(i for i, (_, kind, d) in enumerate(sorted(trace._events)) if kind == "io" and d < 0)
+    assert _peak(trace)[first_landing - 1] == 12  # not 16
+
+
+def test_a_hung_mount_times_the_load_out_and_everything_comes_back_once_it_answers(tmp_path):
+    """faultfs in ``hang`` mode: the loop blocks in the kernel, the consumer
+    gives up at its deadline, and once the mount answers again the loop
+    drains, and its buffers and descriptors come back."""
+    from kvtier.bench.faultfs import mounted
+
+    (tmp_path / "src").mkdir()
+    with mounted(tmp_path / "src", tmp_path / "mnt") as fs:
+        pool = CountingPool()
+        tier = SharedTier(shared_config(tmp_path / "mnt" / "shared", 256 * OBJ, o_direct=True), pool=pool)
+        try:
+            c = make_chunks(8)
+            tier.store(c.objs)
+            assert _payloads(tier, c.keys) == c.payloads
+            before = _fds()
+            fs.set(mode="hang")
+            stream = tier._stream(c.keys)
+            assert isinstance(stream, NativeStream)
+            t0 = time.monotonic()
+            assert list(stream.iter(0.5)) == []
+            assert time.monotonic() - t0 < 0.5 + 0.5
+            assert isinstance(stream.failed, TimeoutError) or type(stream.failed).__name__ == "TimeoutError"
+            assert fs.hung() > 0
+            fs.heal()
+            assert _all_returned(pool, timeout=10)
+            assert _no_fd_leak(before, timeout=10)
+            assert _payloads(tier, c.keys) == c.payloads  # and the tier serves the next load
+        finally:
+            fs.heal()
+            tier.close()
+
+
+def test_a_store_folder_that_will_not_open_fails_the_load_at_once(open_tier, tmp_path):
+    """The loop opens the store's folder on its own thread; where that
+    fails, the load fails with the error (the tier counts it), without
+    waiting for its deadline, and its buffers come back."""
+    pool = CountingPool()
+    tier = open_tier(pool=pool)
+    c = make_chunks(6)
+    tier.store(c.objs)
+    root = tier.dir.root
+    root.rename(tmp_path / "elsewhere")
+    try:
+        stream = tier._stream(c.keys)
+        assert isinstance(stream, NativeStream)
+        t0 = time.monotonic()
+        assert list(stream.iter(5.0)) == []
+        assert time.monotonic() - t0 < 2
+        assert isinstance(stream.failed, FileNotFoundError)
+        assert _all_returned(pool)
+    finally:
+        (tmp_path / "elsewhere").rename(root)
