@@ -45,6 +45,7 @@ struct kvt_open_how { uint64_t flags, mode, resolve; };
 #define KVT_RESOLVE_BENEATH 0x08
 
 #define HEADER_BLOCK 4096
+#define HEADER_STRUCT_SIZE 216
 #define ALIGN 4096
 #define MAX_PAYLOAD (1ULL << 32)
 #define MAX_PIECES 64
@@ -119,16 +120,27 @@ static void record(Load *ld, int delta) {
 
 /* Publish item i's state; wake the consumer if it waits. */
 static void publish(Load *ld, int i, int state, int err) {
-    pthread_mutex_lock(&ld->mu);
-    ld->items[i].state = state;
     ld->items[i].err = err;
-    if (ld->waiters)
+    __atomic_store_n(&ld->items[i].state, state, __ATOMIC_SEQ_CST);
+    /* A waiter counts itself under the mutex, then looks at the state: it
+     * sees this one, or it is counted here and woken (under the mutex, so
+     * not before it waits). Nobody waiting: no lock, no system call. */
+    if (__atomic_load_n(&ld->waiters, __ATOMIC_SEQ_CST)) {
+        pthread_mutex_lock(&ld->mu);
         pthread_cond_broadcast(&ld->cv);
-    pthread_mutex_unlock(&ld->mu);
+        pthread_mutex_unlock(&ld->mu);
+    }
 }
 
-/* Whether the object read into item ``it`` (``got`` bytes) has a payload
- * whose XXH3-128 is the header's (offsets as in kvtier/codec.py). */
+/* Whether ``n`` bytes at ``p`` are all zero. */
+static int all_zero(const unsigned char *p, size_t n) {
+    return n == 0 || (p[0] == 0 && memcmp(p, p + 1, n - 1) == 0);
+}
+
+/* Whether the object read into item ``it`` (``got`` bytes) has zero padding
+ * (after the header struct, and after the payload up to the object's
+ * end) and a payload whose XXH3-128 is the header's: the bytes no header
+ * field describes (docs/format.md; offsets as in kvtier/codec.py). */
 static int payload_ok(const item_t *it, size_t got) {
     const unsigned char *b = it->buf;
     if (got < HEADER_BLOCK || memcmp(b, "KVTCHUNK", 8) != 0)
@@ -136,6 +148,10 @@ static int payload_ok(const item_t *it, size_t got) {
     uint64_t plen;
     memcpy(&plen, b + 188, 8); /* little endian, as the format (x86-64, arm64) */
     if (plen == 0 || plen > MAX_PAYLOAD || HEADER_BLOCK + plen > got || HEADER_BLOCK + plen > it->cap)
+        return 0;
+    uint64_t end = HEADER_BLOCK + (plen + ALIGN - 1) / ALIGN * ALIGN; /* the object's length */
+    if (end > got || !all_zero(b + HEADER_STRUCT_SIZE, HEADER_BLOCK - HEADER_STRUCT_SIZE) ||
+        !all_zero(b + HEADER_BLOCK + plen, (size_t)(end - HEADER_BLOCK - plen)))
         return 0;
     xxh128_t h = xxh3_128(b + HEADER_BLOCK, (size_t)plen);
     unsigned char d[16];
@@ -176,120 +192,205 @@ static int open_item(Load *ld, item_t *it) {
     return 0;
 }
 
-/* The driver: everything between the first open and the last read landed. */
+/* The driver's own state (one thread: no lock). */
+typedef struct {
+    struct iocb *cbs;
+    struct io_event *evs;
+    struct iocb **batch;
+    int *free_slots, *landed;
+    int nfree, inflight, objs, next, nlanded, broken;
+    uint64_t inflight_bytes, left_bytes;
+} drv_t;
+
+/* An object all of whose pieces landed: failed (FALLBACK, or SKIPPED past
+ * the consumer's stop), or queued for its check. */
+static void landed(Load *ld, drv_t *st, int i) {
+    item_t *it = &ld->items[i];
+    st->objs--;
+    st->inflight_bytes -= it->est;
+    st->left_bytes -= it->est;
+    if (i >= __atomic_load_n(&ld->limit, __ATOMIC_ACQUIRE)) {
+        publish(ld, i, SKIPPED, 0);
+        return;
+    }
+    if (it->failed) {
+        if (it->failed == EINVAL)
+            ld->refused = 1;
+        publish(ld, i, FALLBACK, it->failed);
+        return;
+    }
+    size_t whole = 0; /* bytes from the start without a gap (a short piece ends the file) */
+    for (int k = 0; k < it->pieces; k++) {
+        whole += (size_t)it->res[k];
+        size_t off = (size_t)k * it->piece, want = it->cap - off < it->piece ? it->cap - off : it->piece;
+        if ((size_t)it->res[k] < want)
+            break;
+    }
+    it->size = whole;
+    st->landed[st->nlanded++] = i;
+}
+
+/* Reap completions: wait up to ``timeout_s`` for at least ``min_nr``. */
+static void reap(Load *ld, drv_t *st, long min_nr, double timeout_s) {
+    struct timespec wait = {(time_t)timeout_s, (long)((timeout_s - (double)(time_t)timeout_s) * 1e9)};
+    long got;
+    do {
+        got = syscall(SYS_io_getevents, ld->ctx, min_nr, (long)ld->depth, st->evs, &wait);
+    } while (got < 0 && errno == EINTR);
+    if (got < 0) {
+        /* Cannot reap (cannot happen with a live context): submit nothing
+         * more; the drain waits for what is in flight. */
+        st->broken = 1;
+        return;
+    }
+    record(ld, -(int)got);
+    for (long e = 0; e < got; e++) {
+        int i = (int)(st->evs[e].data >> 16), s = (int)(st->evs[e].data & 0xffff);
+        item_t *it = &ld->items[i];
+        int k = (int)(st->cbs[s].aio_offset / (int64_t)it->piece);
+        st->free_slots[st->nfree++] = s;
+        st->inflight--;
+        it->res[k] = st->evs[e].res;
+        if (st->evs[e].res < 0)
+            it->failed = (int)-st->evs[e].res;
+        if (--it->left == 0)
+            landed(ld, st, i);
+    }
+}
+
+/* Open object ``st->next`` and submit its reads; 0 if the window or the
+ * kernel's queue has no room for it now (nothing done). */
+static int start_next(Load *ld, drv_t *st) {
+    item_t *it = &ld->items[st->next];
+    uint64_t cap = (uint64_t)(ld->taper * (double)st->left_bytes);
+    if (cap > ld->window)
+        cap = ld->window;
+    if (!(st->objs < ld->min_inflight || st->inflight_bytes + it->est <= cap))
+        return 0;
+    int pieces = (int)((it->cap + ld->piece - 1) / ld->piece);
+    if (pieces > MAX_PIECES)
+        pieces = MAX_PIECES;
+    if (pieces > st->nfree)
+        return 0;
+    int err = open_item(ld, it);
+    if (err) {
+        st->left_bytes -= it->est;
+        publish(ld, st->next++, FALLBACK, err);
+        return 1;
+    }
+    size_t piece = ((it->cap + pieces - 1) / pieces + ALIGN - 1) / ALIGN * ALIGN;
+    int nb = 0;
+    it->piece = piece;
+    it->pieces = 0;
+    it->failed = 0;
+    for (size_t off = 0; off < it->cap; off += piece) {
+        int s = st->free_slots[--st->nfree];
+        struct iocb *cb = &st->cbs[s];
+        memset(cb, 0, sizeof *cb);
+        cb->aio_data = ((uint64_t)st->next << 16) | (uint64_t)s;
+        cb->aio_lio_opcode = IOCB_CMD_PREAD;
+        cb->aio_fildes = (uint32_t)it->fd;
+        cb->aio_buf = (uint64_t)(uintptr_t)(it->buf + off);
+        cb->aio_nbytes = it->cap - off < piece ? it->cap - off : piece;
+        cb->aio_offset = (int64_t)off;
+        it->res[it->pieces++] = 0;
+        st->batch[nb++] = cb;
+    }
+    it->left = nb;
+    int took = 0;
+    while (took < nb) {
+        long r = syscall(SYS_io_submit, ld->ctx, (long)(nb - took), st->batch + took);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0 && errno == EAGAIN && st->inflight + took > 0) {
+            /* The kernel is short of requests: let one land first. */
+            if (st->inflight > 0)
+                reap(ld, st, 1, ld->poll_s);
+            else {
+                struct timespec ts = {0, 1000000};
+                nanosleep(&ts, NULL);
+            }
+            continue;
+        }
+        if (r <= 0) {
+            int e = r < 0 ? errno : EAGAIN;
+            for (int k = took; k < nb; k++) /* never in flight: their slots back */
+                st->free_slots[st->nfree++] = (int)(st->batch[k]->aio_data & 0xffff);
+            if (e == EINVAL)
+                ld->refused = 1;
+            if (took == 0) {
+                st->left_bytes -= it->est;
+                publish(ld, st->next++, FALLBACK, e);
+                return 1;
+            }
+            it->left -= nb - took; /* what is in flight lands; the object failed */
+            it->failed = e;
+            break;
+        }
+        record(ld, (int)r);
+        st->inflight += (int)r;
+        took += (int)r;
+    }
+    st->objs++;
+    st->inflight_bytes += it->est;
+    st->next++;
+    return 1;
+}
+
+/* The driver: everything between the first open and the last read landed.
+ * Landed objects are checked one at a time, the consumer's next first, and
+ * between two checks the window is refilled: the device is not left idle
+ * while the loop checks what it read. */
 static void drive(Load *ld) {
-    struct iocb *cbs = calloc((size_t)ld->depth, sizeof(struct iocb));
-    struct io_event *evs = calloc((size_t)ld->depth, sizeof(struct io_event));
-    int *free_slots = calloc((size_t)ld->depth, sizeof(int));
-    struct iocb **batch = calloc((size_t)ld->depth, sizeof(struct iocb *));
-    int nfree = ld->depth, inflight = 0, objs = 0, next = 0;
-    uint64_t inflight_bytes = 0, left_bytes = 0;
+    drv_t st = {0};
     double t_first = now_s();
+    st.cbs = calloc((size_t)ld->depth, sizeof(struct iocb));
+    st.evs = calloc((size_t)ld->depth, sizeof(struct io_event));
+    st.batch = calloc((size_t)ld->depth, sizeof(struct iocb *));
+    st.free_slots = calloc((size_t)ld->depth, sizeof(int));
+    st.landed = calloc(ld->n ? (size_t)ld->n : 1, sizeof(int));
     if (ld->base_fd < 0)
         goto out; /* the folder would not open: every object SKIPPED */
-    if (!cbs || !evs || !free_slots || !batch) {
+    if (!st.cbs || !st.evs || !st.batch || !st.free_slots || !st.landed) {
         for (int i = 0; i < ld->n; i++)
             publish(ld, i, FALLBACK, ENOMEM);
         goto out;
     }
+    st.nfree = ld->depth;
     for (int s = 0; s < ld->depth; s++)
-        free_slots[s] = s;
+        st.free_slots[s] = s;
     for (int i = 0; i < ld->n; i++)
-        left_bytes += ld->items[i].est;
-    for (;;) {
-        pthread_mutex_lock(&ld->mu);
-        int limit = ld->limit;
-        pthread_mutex_unlock(&ld->mu);
-        int want_buffer = 0;
-        while (next < limit) {
-            item_t *it = &ld->items[next];
-            uint64_t cap = (uint64_t)(ld->taper * (double)left_bytes);
-            if (cap > ld->window)
-                cap = ld->window;
-            if (!(objs < ld->min_inflight || inflight_bytes + it->est <= cap))
-                break;
-            pthread_mutex_lock(&ld->mu);
-            int have = it->buf != NULL;
-            pthread_mutex_unlock(&ld->mu);
-            if (!have) {
+        st.left_bytes += ld->items[i].est;
+    while (!st.broken) {
+        int limit = __atomic_load_n(&ld->limit, __ATOMIC_ACQUIRE), want_buffer = 0;
+        while (st.next < limit && !st.broken) {
+            if (__atomic_load_n(&ld->items[st.next].buf, __ATOMIC_ACQUIRE) == NULL) {
                 want_buffer = 1;
                 break;
             }
-            int pieces = (int)((it->cap + ld->piece - 1) / ld->piece);
-            if (pieces > MAX_PIECES)
-                pieces = MAX_PIECES;
-            if (pieces > nfree)
+            if (!start_next(ld, &st))
                 break;
-            int err = open_item(ld, it);
-            if (err) {
-                left_bytes -= it->est;
-                publish(ld, next++, FALLBACK, err);
-                continue;
-            }
-            size_t piece = ((it->cap + pieces - 1) / pieces + ALIGN - 1) / ALIGN * ALIGN;
-            it->piece = piece;
-            it->pieces = it->left = 0;
-            int nb = 0;
-            for (size_t off = 0; off < it->cap; off += piece) {
-                int s = free_slots[--nfree];
-                struct iocb *cb = &cbs[s];
-                memset(cb, 0, sizeof *cb);
-                cb->aio_data = ((uint64_t)next << 16) | (uint64_t)s;
-                cb->aio_lio_opcode = IOCB_CMD_PREAD;
-                cb->aio_fildes = (uint32_t)it->fd;
-                cb->aio_buf = (uint64_t)(uintptr_t)(it->buf + off);
-                cb->aio_nbytes = it->cap - off < piece ? it->cap - off : piece;
-                cb->aio_offset = (int64_t)off;
-                it->res[it->pieces] = 0;
-                it->pieces++;
-                batch[nb++] = cb;
-            }
-            it->left = nb;
-            it->failed = 0;
-            int took = 0;
-            while (took < nb) {
-                long r = syscall(SYS_io_submit, ld->ctx, (long)(nb - took), batch + took);
-                if (r < 0 && errno == EINTR)
-                    continue;
-                if (r < 0 && errno == EAGAIN && inflight > 0) {
-                    /* The kernel is short of requests: wait for one to land. */
-                    struct timespec ts = {0, 1000000};
-                    nanosleep(&ts, NULL);
-                    continue;
-                }
-                if (r <= 0) {
-                    int e = r < 0 ? errno : EAGAIN;
-                    if (took == 0) {
-                        /* Nothing of it in flight: give its slots back. */
-                        for (int k = 0; k < nb; k++)
-                            free_slots[nfree++] = (int)(batch[k]->aio_data & 0xffff);
-                        if (e == EINVAL)
-                            ld->refused = 1;
-                        left_bytes -= it->est;
-                        publish(ld, next, FALLBACK, e);
-                        it = NULL;
-                        break;
-                    }
-                    /* Part of it in flight: the rest counts as failed pieces. */
-                    for (int k = took; k < nb; k++) {
-                        free_slots[nfree++] = (int)(batch[k]->aio_data & 0xffff);
-                        it->left--;
-                        it->failed = e;
-                    }
-                    break;
-                }
-                took += (int)r;
-            }
-            if (it != NULL) {
-                record(ld, took);
-                inflight += took;
-                objs++;
-                inflight_bytes += it->est;
-            }
-            next++;
         }
-        if (inflight == 0) {
-            if (next >= limit)
+        if (st.nlanded > 0) {
+            /* Check one landed object, the consumer's next first; then look
+             * (without waiting) for more that landed, and refill. */
+            int k = 0;
+            for (int j = 1; j < st.nlanded; j++)
+                if (st.landed[j] < st.landed[k])
+                    k = j;
+            int i = st.landed[k];
+            st.landed[k] = st.landed[--st.nlanded];
+            item_t *it = &ld->items[i];
+            if (i >= __atomic_load_n(&ld->limit, __ATOMIC_ACQUIRE))
+                publish(ld, i, SKIPPED, 0);
+            else
+                publish(ld, i, payload_ok(it, it->size) ? OK : FALLBACK, EBADMSG);
+            if (st.inflight > 0)
+                reap(ld, &st, 0, 0.0);
+            continue;
+        }
+        if (st.inflight == 0) {
+            if (st.next >= limit)
                 break;
             if (want_buffer) {
                 /* Nothing in flight and no buffer for the next object yet:
@@ -297,89 +398,39 @@ static void drive(Load *ld) {
                 struct timespec ts;
                 deadline_ts(&ts, ld->poll_s);
                 pthread_mutex_lock(&ld->mu);
-                if (ld->items[next].buf == NULL && next < ld->limit)
+                if (ld->items[st.next].buf == NULL && st.next < ld->limit)
                     pthread_cond_timedwait(&ld->cv, &ld->mu, &ts);
                 pthread_mutex_unlock(&ld->mu);
             }
             continue;
         }
-        struct timespec wait = {(time_t)ld->poll_s, (long)((ld->poll_s - (double)(time_t)ld->poll_s) * 1e9)};
-        long got = syscall(SYS_io_getevents, ld->ctx, 1L, (long)ld->depth, evs, &wait);
-        if (got < 0) {
-            if (errno == EINTR)
-                continue;
-            /* Cannot reap: every read in flight stays in flight; stop
-             * submitting and let the drain below wait for them. */
-            break;
-        }
-        record(ld, -(int)got);
-        pthread_mutex_lock(&ld->mu);
-        limit = ld->limit;
-        pthread_mutex_unlock(&ld->mu);
-        for (long e = 0; e < got; e++) {
-            int i = (int)(evs[e].data >> 16), s = (int)(evs[e].data & 0xffff);
-            item_t *it = &ld->items[i];
-            int piece_ix = (int)(((struct iocb *)(uintptr_t)evs[e].obj)->aio_offset / (int64_t)it->piece);
-            free_slots[nfree++] = s;
-            inflight--;
-            it->res[piece_ix] = evs[e].res;
-            if (evs[e].res < 0)
-                it->failed = (int)-evs[e].res;
-            if (--it->left > 0)
-                continue;
-            objs--;
-            inflight_bytes -= it->est;
-            left_bytes -= it->est;
-            if (i >= limit) {
-                publish(ld, i, SKIPPED, 0);
-                continue;
-            }
-            if (it->failed) {
-                if (it->failed == EINVAL)
-                    ld->refused = 1;
-                publish(ld, i, FALLBACK, it->failed);
-                continue;
-            }
-            size_t whole = 0; /* bytes from the start without a gap */
-            for (int k = 0; k < it->pieces; k++) {
-                whole += (size_t)it->res[k];
-                size_t want = it->cap - (size_t)k * it->piece < it->piece ? it->cap - (size_t)k * it->piece : it->piece;
-                if ((size_t)it->res[k] < want)
-                    break;
-            }
-            it->size = whole;
-            publish(ld, i, payload_ok(it, whole) ? OK : FALLBACK, EBADMSG);
-        }
+        reap(ld, &st, 1, ld->poll_s);
     }
     /* Drain: no buffer is written to once ``run`` returned. */
-    while (inflight > 0) {
-        long got = syscall(SYS_io_getevents, ld->ctx, 1L, (long)ld->depth, evs, NULL);
+    while (st.inflight > 0) {
+        long got = syscall(SYS_io_getevents, ld->ctx, 1L, (long)ld->depth, st.evs, NULL);
         if (got < 0) {
             if (errno == EINTR)
                 continue;
-            break; /* cannot happen with a valid context; nothing else to do */
+            break; /* cannot happen with a live context; nothing else to do */
         }
         record(ld, -(int)got);
-        for (long e = 0; e < got; e++) {
-            int i = (int)(evs[e].data >> 16);
-            inflight--;
-            if (--ld->items[i].left == 0)
-                publish(ld, i, SKIPPED, 0);
-        }
+        st.inflight -= (int)got;
     }
 out:
     pthread_mutex_lock(&ld->mu);
     for (int i = 0; i < ld->n; i++)
         if (ld->items[i].state == PENDING)
-            ld->items[i].state = SKIPPED;
+            __atomic_store_n(&ld->items[i].state, SKIPPED, __ATOMIC_SEQ_CST);
     ld->finished = 1;
     ld->active_s = now_s() - t_first;
     pthread_cond_broadcast(&ld->cv);
     pthread_mutex_unlock(&ld->mu);
-    free(cbs);
-    free(evs);
-    free(free_slots);
-    free(batch);
+    free(st.cbs);
+    free(st.evs);
+    free(st.batch);
+    free(st.free_slots);
+    free(st.landed);
 }
 
 /* ------------------------------------------------------------ Python type */
@@ -470,7 +521,7 @@ static PyObject *Load_give(Load *ld, PyObject *args) {
     pthread_mutex_lock(&ld->mu);
     int fresh = ld->items[i].buf == NULL;
     if (fresh)
-        ld->items[i].buf = (unsigned char *)(uintptr_t)addr;
+        __atomic_store_n(&ld->items[i].buf, (unsigned char *)(uintptr_t)addr, __ATOMIC_RELEASE);
     pthread_cond_broadcast(&ld->cv);
     pthread_mutex_unlock(&ld->mu);
     if (!fresh) {
@@ -512,20 +563,22 @@ static PyObject *Load_wait(Load *ld, PyObject *args) {
         if (t < 0)
             t = 0;
     }
-    int state;
+    int state = __atomic_load_n(&ld->items[i].state, __ATOMIC_ACQUIRE);
+    if (state != PENDING)
+        return PyLong_FromLong(state); /* landed already: no GIL hand-off */
     Py_BEGIN_ALLOW_THREADS
     struct timespec ts;
     if (t >= 0)
         deadline_ts(&ts, t);
     pthread_mutex_lock(&ld->mu);
-    ld->waiters++;
-    while (ld->items[i].state == PENDING && !ld->finished) {
+    __atomic_add_fetch(&ld->waiters, 1, __ATOMIC_SEQ_CST);
+    while (__atomic_load_n(&ld->items[i].state, __ATOMIC_SEQ_CST) == PENDING && !ld->finished) {
         if (t < 0)
             pthread_cond_wait(&ld->cv, &ld->mu);
         else if (pthread_cond_timedwait(&ld->cv, &ld->mu, &ts) == ETIMEDOUT)
             break;
     }
-    ld->waiters--;
+    __atomic_sub_fetch(&ld->waiters, 1, __ATOMIC_SEQ_CST);
     state = ld->items[i].state;
     pthread_mutex_unlock(&ld->mu);
     Py_END_ALLOW_THREADS
@@ -538,7 +591,7 @@ static PyObject *Load_stop(Load *ld, PyObject *args) {
         return NULL;
     pthread_mutex_lock(&ld->mu);
     if (limit < ld->limit)
-        ld->limit = limit < 0 ? 0 : limit;
+        __atomic_store_n(&ld->limit, limit < 0 ? 0 : limit, __ATOMIC_RELEASE);
     pthread_cond_broadcast(&ld->cv);
     pthread_mutex_unlock(&ld->mu);
     Py_RETURN_NONE;

@@ -296,9 +296,10 @@ class NativeStream:
         """The object the loop read and checked (the tier's ``finish``
         parses its header), or None, or the error."""
         _, _, fd, got, mtime, opened_s, t0 = self._load.item(i)
-        with self._lock:
-            buf, pool = self._bufs[i]
-            self._taken[i] = True
+        buf, pool = self._bufs[i]
+        # No lock: the buffers go back (``_return_buffers``) only once this
+        # thread called ``stop``, after this.
+        self._taken[i] = True
         op = OpenRead(fd, True, len(buf), buf, mtime, opened_s)
         try:
             return self._finish(key, op, got, t0, pool)
