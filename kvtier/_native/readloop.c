@@ -275,6 +275,14 @@ static int start_next(Load *ld, drv_t *st) {
     int err = open_item(ld, it);
     if (err) {
         st->left_bytes -= it->est;
+        if (err == ENOENT) {
+            /* A miss: the load ends there (its ordinary read will say so),
+             * so nothing past it is read, as the Python driver does. */
+            pthread_mutex_lock(&ld->mu);
+            if (st->next + 1 < ld->limit)
+                __atomic_store_n(&ld->limit, st->next + 1, __ATOMIC_RELEASE);
+            pthread_mutex_unlock(&ld->mu);
+        }
         publish(ld, st->next++, FALLBACK, err);
         return 1;
     }
@@ -362,8 +370,10 @@ static void drive(Load *ld) {
     for (int i = 0; i < ld->n; i++)
         st.left_bytes += ld->items[i].est;
     while (!st.broken) {
-        int limit = __atomic_load_n(&ld->limit, __ATOMIC_ACQUIRE), want_buffer = 0;
-        while (st.next < limit && !st.broken) {
+        int want_buffer = 0;
+        /* The limit is read again before each open: a miss (start_next) or
+         * the consumer's stop lowers it. */
+        while (st.next < __atomic_load_n(&ld->limit, __ATOMIC_ACQUIRE) && !st.broken) {
             if (__atomic_load_n(&ld->items[st.next].buf, __ATOMIC_ACQUIRE) == NULL) {
                 want_buffer = 1;
                 break;
@@ -390,7 +400,7 @@ static void drive(Load *ld) {
             continue;
         }
         if (st.inflight == 0) {
-            if (st.next >= limit)
+            if (st.next >= __atomic_load_n(&ld->limit, __ATOMIC_ACQUIRE))
                 break;
             if (want_buffer) {
                 /* Nothing in flight and no buffer for the next object yet:

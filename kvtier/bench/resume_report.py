@@ -49,6 +49,16 @@ def _tier_hits(metrics: dict) -> dict[str, float]:
     return out
 
 
+def _load_drivers(metrics: dict) -> dict[str, float]:
+    """Directory tiers' loads by what drove their reads (``kvtier_load_drivers_total``)."""
+    out: dict[str, float] = {}
+    for k, v in metrics.items():
+        if k.startswith("kvtier_load_drivers_total{") and "driver=" in k:
+            driver = k.split("driver=")[1].split(",")[0].rstrip("}")
+            out[driver] = out.get(driver, 0.0) + v
+    return out
+
+
 def noise(v: dict) -> float:
     """A configuration's own spread in this run: half the range of its
     requests' TTFTs (what two runs of the same thing may differ by)."""
@@ -96,6 +106,7 @@ def _figures(runs: list[dict]) -> dict:
         "kvtier_lookup_s_mean": (m.get("kvtier_vllm_lookup_seconds_sum", 0.0) / m["kvtier_vllm_lookup_seconds_count"]
                                  if m.get("kvtier_vllm_lookup_seconds_count") else None),
         "kvtier_lookups_deferred": m.get("kvtier_vllm_lookup_deferred_total", 0),
+        "kvtier_load_drivers": _load_drivers(m),
     }
 
 
