@@ -18,14 +18,13 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence, TypeVar
 
-from kvtier.codec import ChunkObject, key_of
+from kvtier.buffers import LoadBuffers, align_up
+from kvtier.codec import HEADER_BLOCK, ChunkObject, key_of
 from kvtier.config import ConfigError, opt, size_field
 from kvtier.engine.breaker import CircuitBreaker
 from kvtier.engine.executor import DELETE, LOAD, PriorityExecutor
 from kvtier.errors import CorruptObject
 from kvtier.keys import ChunkKey
-from kvtier.buffers import LoadBuffers, align_up
-from kvtier.codec import HEADER_BLOCK
 from kvtier.tiers import aio, beneath, nativestream
 from kvtier.tiers.aiostream import AioStream
 from kvtier.tiers.files import BaseHandle, ObjectDir, OpenRead
@@ -49,6 +48,9 @@ T = TypeVar("T")
 _SLOW_OPENS_SHARE = 0.5
 _SLOW_OPENS_LOADS = 3
 _SLOW_OPENS_MIN_S = 0.005
+# Namespaces whose bytes per token a tier remembers (``_native_sizes``): a
+# handful of models and shards in practice.
+_NAMESPACES_KEPT = 256
 
 
 @dataclass(frozen=True)
@@ -112,7 +114,9 @@ class FileTier(PooledTier):
         # A benchmark's record of when this tier's AIO reads were in flight
         # (kvtier bench storage sets it); None in service.
         self.read_trace: ReadTrace | None = None
-        self._payload_per_token = 0  # payload bytes of one token, once an object was read (0: not known)
+        # Payload bytes of one token, per namespace (models, shards and KV
+        # layouts differ), once an object of it was read or written here.
+        self._payload_per_token: dict[bytes, int] = {}
         self._owed = Owed()  # stamps loads handed over and not made yet (``defer_stamps``)
 
     # ------------------------------------------------------------ hooks
@@ -197,24 +201,32 @@ class FileTier(PooledTier):
         (its buffers' lengths), or None where that loop does not take the
         load: not built or switched off, no ``openat2``, a file system that
         refuses O_DIRECT, the caller's own buffers (copied into by the
-        Python driver's verification jobs), or no object read yet to know
-        a token's bytes by."""
+        Python driver's verification jobs), or a namespace of which no
+        object was read or written here yet (a token's bytes unknown)."""
         if not (self.config.native_reads and nativestream.available() and beneath.available() and self.dir.direct_ok):
             return None
         if isinstance(into, LoadBuffers):
             if len(into) < len(keys):
                 return None
             return [HEADER_BLOCK + align_up(into.payload_bytes)] * len(keys)
-        if into is not None or not self._payload_per_token:
+        if into is not None:
             return None
-        return [HEADER_BLOCK + align_up(k.num_tokens * self._payload_per_token) for k in keys]
+        sizes = []
+        for k in keys:
+            per = self._payload_per_token.get(k.ns)
+            if per is None:
+                return None
+            sizes.append(HEADER_BLOCK + align_up(k.num_tokens * per))
+        return sizes
 
     def _learn_sizes(self, obj: ChunkObject) -> None:
         """What one token's payload takes, from an object read or written
         here: a load's object lengths (``_native_sizes``)."""
         per, rest = divmod(obj.header.payload_len, max(1, obj.header.num_tokens))
-        if not rest:
-            self._payload_per_token = per
+        if not rest and self._payload_per_token.get(obj.header.ns) != per:
+            if len(self._payload_per_token) >= _NAMESPACES_KEPT:
+                self._payload_per_token.clear()  # many namespaces: learn those in use again
+            self._payload_per_token[obj.header.ns] = per
 
     def _run_later(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on this tier's pool (a load's stamps; RuntimeError once

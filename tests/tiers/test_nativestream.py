@@ -194,7 +194,8 @@ def test_objects_of_a_size_other_than_expected_are_read_the_ordinary_way(open_ti
     tier = open_tier(pool=pool)
     c = make_chunks(6)
     tier.store(c.objs)
-    tier._payload_per_token *= 2  # every object is now shorter than its buffer
+    ns = c.keys[0].ns
+    tier._payload_per_token[ns] *= 2  # every object is now shorter than its buffer
     stream = tier._stream(c.keys)
     assert isinstance(stream, NativeStream)
     got = _taken(stream, keep=True)
@@ -203,6 +204,43 @@ def test_objects_of_a_size_other_than_expected_are_read_the_ordinary_way(open_ti
         assert_object(o, k)
         o.release()
     assert _all_returned(pool)
+
+
+def test_two_models_on_one_tier_are_each_read_by_the_loop(open_tier, monkeypatch):
+    """A shared tier holds several models' chunks, of different bytes per
+    token: each namespace's object lengths are learned apart, so loads of
+    either go through the loop and none is read twice (the loop reads into
+    buffers of the wrong length, then the ordinary read again)."""
+    import dataclasses
+
+    from kvtier.codec import encode
+    from kvtier.keys import chunk_keys
+    from tests.support import DTYPE, NS, payload_for, tokens_for
+
+    big = dataclasses.replace(NS, model="test/other", num_kv_heads=8)  # 4x the bytes per token
+    c = make_chunks(6)
+    big_keys = chunk_keys(big, tokens_for(7, 6 * big.chunk_tokens))
+    big_shape = (big.num_layers, 2, big.num_kv_heads, big.chunk_tokens, big.head_dim)
+    nbytes = len(payload_for(c.keys[0])) * 4
+    tier = open_tier()
+    tier.store(c.objs)
+    tier.store([encode(k, DTYPE, big_shape, payload_for(k, nbytes)) for k in big_keys])
+    fallbacks = []
+    ordinary = NativeStream._ordinary
+
+    def counted(self, i, key, deadline):
+        fallbacks.append(key)
+        return ordinary(self, i, key, deadline)
+
+    monkeypatch.setattr(NativeStream, "_ordinary", counted)
+    for keys, want in ((c.keys, c.payloads), (big_keys, [payload_for(k, nbytes) for k in big_keys])) * 2:
+        stream = tier._stream(keys)
+        assert isinstance(stream, NativeStream)
+        got = _taken(stream, keep=True)
+        assert [bytes(o.payload) for o in got] == want
+        for o in got:
+            o.release()
+    assert fallbacks == []
 
 
 def test_an_abandoned_load_returns_every_buffer_and_descriptor(open_tier):
