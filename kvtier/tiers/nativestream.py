@@ -167,7 +167,12 @@ class NativeStream:
             self._return_buffers()
             raise
         self._base = base
-        self._job = executor.submit(LOAD, self._drive)
+        try:
+            self._job = executor.submit(LOAD, self._drive)
+        except RuntimeError:  # the tier is closing: nothing was read
+            self._contexts.give(self._ctx)
+            self._return_buffers()
+            raise
 
     # ------------------------------------------------------------ buffers
     def _pool_for(self, i: int):
@@ -274,8 +279,14 @@ class NativeStream:
                     val = self._accept(i, key)
                 elif state == _readloop.FALLBACK:
                     val = self._ordinary(i, key, deadline)
-                else:  # SKIPPED: the loop ended before it (it failed)
-                    self.failed = self._crash or RuntimeError("the native read loop ended early")
+                else:
+                    # SKIPPED: the loop never read it. It had failed (the
+                    # folder would not open), or it saw a miss before this
+                    # one and read nothing past it: an object written again
+                    # between the loop's open and the ordinary read of the
+                    # miss (another process's) is served, and the load ends
+                    # after it, as at a miss.
+                    self.failed = self._crash
                     return
                 if isinstance(val, BaseException):
                     self.failed = val

@@ -144,6 +144,33 @@ def test_nothing_past_a_missing_object_is_read(open_tier):
     assert sum(d for _, kind, d in trace._events if kind == "io" and d > 0) == 5
 
 
+def test_an_object_written_again_after_the_loop_missed_it_is_served_and_the_load_ends_there(open_tier, monkeypatch):
+    """Another process writes an object back between the loop's open (a
+    miss: nothing past it is read) and the ordinary read of that miss: it
+    is served, and the load ends after it as at a miss, not as a failure."""
+    pool = CountingPool()
+    tier = open_tier(pool=pool, read_window_bytes=64 * OBJ)
+    c = make_chunks(12)
+    tier.store(c.objs)
+    tier.delete([c.keys[4]])
+    read_one = tier._read_one
+
+    def written_back(key, **kw):
+        if key == c.keys[4]:
+            tier.store([c.objs[4]])
+        return read_one(key, **kw)
+
+    monkeypatch.setattr(tier, "_read_one", written_back)
+    stream = tier._stream(c.keys)
+    assert isinstance(stream, NativeStream)
+    got = _taken(stream, keep=True)
+    assert [bytes(o.payload) for o in got] == c.payloads[:5]
+    assert stream.failed is None
+    for o in got:
+        o.release()
+    assert _all_returned(pool)
+
+
 def test_a_bad_object_is_read_again_the_ordinary_way_quarantined_and_counted(open_tier):
     metrics = Metrics()
     pool = CountingPool()
