@@ -70,7 +70,7 @@ typedef struct {
 
 typedef struct {
     PyObject_HEAD
-    int base_fd, n, depth, min_inflight, refused;
+    int base_fd, n, depth, min_inflight, refused, broken;
     item_t *items;
     aio_context_t ctx;
     uint64_t window, piece;
@@ -429,6 +429,7 @@ static void drive(Load *ld) {
     }
 out:
     pthread_mutex_lock(&ld->mu);
+    ld->broken = st.broken;
     for (int i = 0; i < ld->n; i++)
         if (ld->items[i].state == PENDING)
             __atomic_store_n(&ld->items[i].state, SKIPPED, __ATOMIC_SEQ_CST);
@@ -623,7 +624,7 @@ static PyObject *Load_item(Load *ld, PyObject *args) {
 
 static PyObject *Load_times(Load *ld, PyObject *unused) {
     pthread_mutex_lock(&ld->mu);
-    PyObject *r = Py_BuildValue("(ddi)", ld->opening_s, ld->active_s, ld->refused);
+    PyObject *r = Py_BuildValue("(ddii)", ld->opening_s, ld->active_s, ld->refused, ld->broken);
     pthread_mutex_unlock(&ld->mu);
     return r;
 }
@@ -658,7 +659,7 @@ static PyMethodDef Load_methods[] = {
     {"wait", (PyCFunction)Load_wait, METH_VARARGS, "wait(i, timeout_s or None) -> state."},
     {"stop", (PyCFunction)Load_stop, METH_VARARGS, "stop(limit): read nothing from index limit on."},
     {"item", (PyCFunction)Load_item, METH_VARARGS, "item(i) -> (state, errno, fd, got, mtime, opened_s, t0)."},
-    {"times", (PyCFunction)Load_times, METH_NOARGS, "(opening_s, active_s, refused) once run returned."},
+    {"times", (PyCFunction)Load_times, METH_NOARGS, "(opening_s, active_s, refused, broken: io_getevents failed) once run returned."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -225,7 +225,9 @@ class NativeStream:
             log.warning("kvtier: a native read loop failed: %s", exc)
             self._crash = exc
         finally:
-            opening_s, active_s, refused = self._load.times()
+            opening_s, active_s, refused, broken = self._load.times()
+            if broken and self._crash is None:  # the loop could not reap: what it did not read fails the load
+                self._crash = OSError("io_getevents failed in the native read loop")
             if self._trace is not None:
                 for t, delta in self._load.events():
                     self._trace._events.append((t, "io", delta))
@@ -285,8 +287,10 @@ class NativeStream:
                     # one and read nothing past it: an object written again
                     # between the loop's open and the ordinary read of the
                     # miss (another process's) is served, and the load ends
-                    # after it, as at a miss.
-                    self.failed = self._crash
+                    # after it, as at a miss. (Whether it failed is known
+                    # once its thread is done.)
+                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    self.failed = self._crash if self._loop_end.wait(left) else FutureTimeout()
                     return
                 if isinstance(val, BaseException):
                     self.failed = val
