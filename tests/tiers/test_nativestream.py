@@ -47,6 +47,24 @@ def test_the_native_loop_is_built_where_it_can_be():
     assert nativestream.available() or not _can_build()
 
 
+def test_the_loop_checks_with_the_checksum_the_format_names():
+    """The loop calls XXH3-128 from the ``xxhash`` package's own library:
+    its digest, in the format's byte order, is ``codec.payload_checksum``'s."""
+    import ctypes
+
+    from kvtier.codec import payload_checksum
+
+    class H(ctypes.Structure):
+        _fields_ = [("low64", ctypes.c_uint64), ("high64", ctypes.c_uint64)]
+
+    fn = ctypes.CFUNCTYPE(H, ctypes.c_void_p, ctypes.c_size_t)(nativestream._xxh3_128_address())
+    for n in (1, 4095, 3 << 20):
+        data = os.urandom(n)
+        buf = ctypes.create_string_buffer(data, n)
+        h = fn(ctypes.addressof(buf), n)
+        assert h.high64.to_bytes(8, "big") + h.low64.to_bytes(8, "big") == payload_checksum(data)
+
+
 @pytest.fixture
 def open_tier(tmp_path):
     opened = []
