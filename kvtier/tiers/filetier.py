@@ -70,7 +70,8 @@ class FileTierConfig:
                                         "measure on your storage)")
     io_threads: int = opt(16, "threads of this tier's I/O pool", ge=1)
     aio: bool = opt(True, "with o_direct: issue a load's reads with Linux native AIO, from the native read loop "
-                    "(native_reads) or one Python driver thread, each landed object verified on the pool (false: "
+                    "(native_reads; it checks what it reads) or else one Python driver thread (each landed object "
+                    "verified on the pool) (false: "
                     "one pool thread per blocking read; where the "
                     "kernel offers no AIO, threads are used anyway, and so they are once three loads in a row "
                     "spent most of their time opening files: each open a round trip, as on network and FUSE "
