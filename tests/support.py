@@ -129,6 +129,15 @@ def hold_reads(tier, keys: Sequence[ChunkKey], first_held: int, gate: threading.
     tier._read_one, tier._finish_read = read_one, finish_read
 
 
+def flip_byte(path, offset: int, mask: int = 0xFF) -> None:
+    """Damage one byte of the file at ``path`` in place (XOR ``mask``)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ mask]))
+
+
 def assert_object(obj: ChunkObject, key: ChunkKey) -> None:
     """``obj`` is the object written for ``key``."""
     assert obj.header.matches(key)

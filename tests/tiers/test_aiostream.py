@@ -18,7 +18,7 @@ from kvtier.tiers import aio
 from kvtier.tiers.aiostream import AioStream
 from kvtier.tiers.readstream import ReadStream
 from kvtier.tiers.shared import SharedTier
-from tests.support import OBJ, assert_object, make_chunks, shared_config
+from tests.support import OBJ, assert_object, flip_byte, make_chunks, shared_config
 
 # In CI the kernel must offer it (these machines do): there a missing AIO fails instead of skipping.
 pytestmark = pytest.mark.skipif(not aio.available() and not os.environ.get("CI"),
@@ -109,11 +109,7 @@ def test_a_bad_object_ends_the_load_there_is_quarantined_and_counted(open_tier):
     c = make_chunks(30)
     tier.store(c.objs)
     path = tier.dir.path(c.keys[9])
-    with open(path, "r+b") as f:
-        f.seek(4096 + 10)
-        b = f.read(1)
-        f.seek(4096 + 10)
-        f.write(bytes([b[0] ^ 0xFF]))
+    flip_byte(path, 4096 + 10)
     assert len(_payloads(tier, c.keys)) == 9
     assert metrics.value("kvtier_integrity_failures_total", tier=tier.name) == 1
     assert not path.exists()

@@ -20,7 +20,7 @@ from kvtier.tiers.nativestream import NativeStream
 from kvtier.tiers.readstream import MIN_INFLIGHT
 from kvtier.tiers.readtrace import BEGIN, END, ReadTrace
 from kvtier.tiers.shared import SharedTier
-from tests.support import OBJ, assert_object, make_chunks, shared_config
+from tests.support import OBJ, assert_object, flip_byte, make_chunks, shared_config
 from tests.tiers.test_aiostream import CountingPool, _all_returned, _payloads
 
 
@@ -196,11 +196,7 @@ def test_a_bad_object_is_read_again_the_ordinary_way_quarantined_and_counted(ope
     c = make_chunks(30)
     tier.store(c.objs)
     path = tier.dir.path(c.keys[9])
-    with open(path, "r+b") as f:
-        f.seek(4096 + 10)
-        b = f.read(1)
-        f.seek(4096 + 10)
-        f.write(bytes([b[0] ^ 0xFF]))
+    flip_byte(path, 4096 + 10)
     before = _fds()
     stream = tier._stream(c.keys[:1])
     assert isinstance(stream, NativeStream)
@@ -222,11 +218,7 @@ def test_damage_the_loop_does_not_check_is_caught_by_the_header_check(open_tier,
     c = make_chunks(6)
     tier.store(c.objs)
     path = tier.dir.path(c.keys[2])
-    with open(path, "r+b") as f:
-        f.seek(100 if where == "header" else 1000)  # a namespace byte; the header block's zero padding
-        b = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([b[0] ^ 0x01]))
+    flip_byte(path, 100 if where == "header" else 1000, 0x01)  # a namespace byte; the header block's zero padding
     assert len(_payloads(tier, c.keys)) == 2
     assert metrics.value("kvtier_integrity_failures_total", tier=tier.name) == 1
 
