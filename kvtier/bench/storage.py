@@ -235,6 +235,10 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
         direct = {v: s.tier("shared").dir.direct_ok and fio_mode(v[1]) == "direct" for v, s in stores.items()}
         by_path = {v: {p: int(s.metrics.value("kvtier_read_path_loads_total", tier="shared", path=p))
                        for p in ("direct", "buffered")} for v, s in stores.items()}
+        # What drove each variant's reads (native loop, Python AIO driver,
+        # pool threads): its figures are that driver's.
+        by_driver = {v: {d: int(s.metrics.value("kvtier_load_drivers_total", tier="shared", driver=d))
+                         for d in DRIVERS} for v, s in stores.items()}
         # An AIO variant whose tier moved to pool threads during the run (its
         # loads spent most of their time opening files: a network or FUSE
         # mount) is reported as such: its figures mix the two ways.
@@ -262,6 +266,7 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
             "session_load_p50_s": median(per_load[w, m]),
             "o_direct": direct[w, m],
             "loads_by_path": by_path[w, m],  # adaptive reads ("auto"): which path each load took
+            "loads_by_driver": by_driver[w, m],
             **({"aio_stopped": True} if (w, m) in aio_stopped else {}),
             "runs_cpu_s_per_gb": [p.cpu_s_per_gb for p in cold_runs[w, m]],
             "cpu_s_per_gb": median([p.cpu_s_per_gb for p in cold_runs[w, m]]),
@@ -294,6 +299,9 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
     result.update(_cpu_floor(result))
     result["seconds"] = time.perf_counter() - t_start
     return result
+
+
+DRIVERS = ("native", "aio", "threads")  # kvtier_load_drivers_total's drivers
 
 
 def _idle_ms(trace: ReadTrace) -> dict | None:
@@ -413,6 +421,10 @@ def format_table(r: dict) -> str:
         lines.append(f"  {', '.join(stopped)}: moved to pool threads during the run (its AIO loads spent most of "
                      "their time opening files, one at a time: each open a round trip here); what the default "
                      "configuration does on this mount")
+    drivers = [f"{w} " + "/".join(f"{d} {n}" for d, n in v["loads_by_driver"].items() if n)
+               for w, v in r["cold"].items() if any(v.get("loads_by_driver", {}).values())]
+    if drivers:
+        lines.append(f"  loads by driver (native read loop, Python AIO driver, pool threads): {'; '.join(drivers)}")
     auto = [f"{v['window_bytes'] // MiB}MiB {v['loads_by_path']['direct']}/{v['loads_by_path']['buffered']}"
             for v in r["cold"].values() if v["read_mode"] == "auto" and "loads_by_path" in v]
     if auto:

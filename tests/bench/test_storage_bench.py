@@ -78,6 +78,17 @@ def test_bench_storage_cli_writes_table_and_json(tmp_path):
     assert "auto: loads read O_DIRECT/buffered, by window: 8MiB 2/0" in proc.stdout
     assert not any(v["o_direct"] for v in r["cold"].values() if v["read_mode"] == "buffered")
     assert "kvtier cold load, window 8MiB buffered" in proc.stdout
+    # What drove each variant's reads: lent buffers through the native loop,
+    # the caller's own through the Python driver, buffered on pool threads.
+    from kvtier.tiers import nativestream
+
+    lent = r["cold"]["8MiB direct-aio-lent"]["loads_by_driver"]
+    own = r["cold"]["8MiB direct-aio"]["loads_by_driver"]
+    assert own["native"] == 0 and own["aio"] >= n_loads
+    assert r["cold"]["8MiB buffered"]["loads_by_driver"]["threads"] >= n_loads
+    if nativestream.available():
+        assert lent["native"] >= n_loads and lent["aio"] == lent["threads"] == 0
+    assert "loads by driver (native read loop, Python AIO driver, pool threads): " in proc.stdout
     assert not any(v.get("aio_stopped") for v in r["cold"].values())  # a local disk: opens take microseconds
     assert "moved to pool threads during the run" not in proc.stdout
     assert r["cold_load_gbps"] == max(v["median_gbps"] for v in r["cold"].values())
