@@ -153,6 +153,7 @@ class NativeStream:
         self._consumer_done = self._loop_done = self._cleaned = False
         self._crash: BaseException | None = None
         self._loop_end = threading.Event()
+        self._load = None  # made below (it takes the AIO context)
         self._ctx = contexts.take()
         try:
             self._load = _readloop.Load(list(paths), list(sizes), self._ctx.id, self._ctx.depth,
@@ -199,7 +200,7 @@ class NativeStream:
             self._cleaned = True
             bufs = [(i, b) for i, b in enumerate(self._bufs) if b is not None and not self._taken[i]]
         for i, (buf, pool) in bufs:
-            fd = self._load.item(i)[2] if hasattr(self, "_load") else -1
+            fd = self._load.item(i)[2] if self._load is not None else -1
             if fd >= 0:
                 os.close(fd)
             pool.put(buf)
@@ -230,7 +231,7 @@ class NativeStream:
                 self._crash = OSError("io_getevents failed in the native read loop")
             if self._trace is not None:
                 for t, delta in self._load.events():
-                    self._trace._events.append((t, "io", delta))
+                    self._trace.io(delta, at=t)
             self._contexts.give(self._ctx)  # the loop drained it
             if refused:
                 self._refused()

@@ -36,9 +36,11 @@ class ReadTrace:
     def __init__(self):
         self._events: list[tuple[float, str, int]] = []  # (perf_counter, kind, reads: + submitted, - landed)
 
-    def io(self, delta: int) -> None:
-        """``delta`` reads (or pieces of reads) went to the kernel (> 0) or landed (< 0)."""
-        self._events.append((time.perf_counter(), "io", delta))
+    def io(self, delta: int, at: float | None = None) -> None:
+        """``delta`` reads (or pieces of reads) went to the kernel (> 0) or
+        landed (< 0), now or ``at`` (``time.perf_counter()`` seconds: the
+        native read loop records its own and hands them over at its end)."""
+        self._events.append((time.perf_counter() if at is None else at, "io", delta))
 
     def mark(self, what: str) -> None:
         """A load begins (``BEGIN``) or ends (``END``)."""
