@@ -27,6 +27,7 @@ so a whole object can be read with one O_DIRECT read into an aligned buffer.
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 import threading
@@ -49,6 +50,9 @@ MAX_PAYLOAD = 1 << 32  # 4 GiB: far above any real chunk; refuses absurd headers
 _HEAD = struct.Struct("<8sHHI32s16s32s16sB7s8QIQ16s")
 _CRC = struct.Struct("<I")
 HEADER_STRUCT_SIZE = _HEAD.size + _CRC.size  # 216
+CHECKSUM_AT = _HEAD.size - 16  # 196: where the payload checksum starts (``expected_head`` ends)
+_LAYOUT_AT = 96  # where the dtype starts, after the key and namespace digests
+_HEAD_START = struct.pack("<8sHHI", MAGIC, FORMAT_VERSION, HEADER_STRUCT_SIZE, 0)  # magic, version, size, flags
 _ZEROS = bytes(HEADER_BLOCK)  # reference for padding checks (either kind is shorter)
 _HEADER_PAD = _ZEROS[HEADER_STRUCT_SIZE:]  # what follows the header in its block
 
@@ -208,6 +212,36 @@ def pack_header(h: Header) -> bytes:
         h.checksum,
     )
     return head + _CRC.pack(zlib.crc32(head))
+
+
+def expected_head(key: ChunkKey, dtype: str, shape: tuple[int, ...], payload_len: int) -> bytes:
+    """The header bytes before the payload checksum (``CHECKSUM_AT``) of
+    ``key``'s object, if its payload has this layout: what ``pack_header``
+    writes there. The native read loop compares an object's header with
+    them (and checks its CRC-32) instead of handing it to ``parse_header``;
+    the layout must come from a header that was parsed (``layout``)."""
+    return b"".join((_HEAD_START, key.digest, key.check, key.ns, _layout_bytes(dtype, shape, key.num_tokens, payload_len)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _layout_bytes(dtype: str, shape: tuple[int, ...], num_tokens: int, payload_len: int) -> bytes:
+    """``expected_head``'s bytes after the namespace: the same for every
+    chunk of a layout and token count."""
+    whole = pack_header(Header(bytes(32), bytes(16), bytes(32), dtype, shape, num_tokens, payload_len, bytes(16)))
+    return whole[_LAYOUT_AT:CHECKSUM_AT]
+
+
+def layout(header: Header) -> tuple[str, tuple[int, ...], int]:
+    """What ``expected_head`` needs of a parsed header besides the key."""
+    return header.dtype, header.shape, header.payload_len
+
+
+def expected_header(key: ChunkKey, layout: tuple[str, tuple[int, ...], int], checksum: bytes) -> Header:
+    """The header of an object whose bytes before the payload checksum were
+    found equal to ``expected_head(key, *layout)`` and whose header CRC-32
+    matched: the one ``parse_header`` would return."""
+    dtype, shape, payload_len = layout
+    return Header(key.digest, key.check, key.ns, dtype, shape, key.num_tokens, payload_len, checksum)
 
 
 def parse_header(block: memoryview | bytes) -> Header:

@@ -11,11 +11,15 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from kvtier.buffers import alloc
 from kvtier.codec import (
+    CHECKSUM_AT,
     HEADER_BLOCK,
     HEADER_STRUCT_SIZE,
     MAGIC,
     decode,
     encode,
+    expected_head,
+    expected_header,
+    layout,
     parse_header,
     payload_checksum,
 )
@@ -51,6 +55,18 @@ def test_round_trip():
     assert (h.key, h.check, h.ns, h.num_tokens) == (KEY.digest, KEY.check, KEY.ns, KEY.num_tokens)
     assert (h.dtype, h.shape, h.payload_len) == (DTYPE, shape_for(KEY.num_tokens), len(payload_for(KEY)))
     assert h.checksum == payload_checksum(payload_for(KEY))
+
+
+@pytest.mark.parametrize("data", [VALID, BIG_VALID], ids=["chunk", "odd-sized"])
+def test_the_expected_head_is_what_the_writer_wrote(data):
+    """What the native read loop compares a header with: the header's bytes
+    up to the payload checksum, from the key and a layout parsed before;
+    and the header it then stands for is the parsed one."""
+    h = parse_header(data[:HEADER_STRUCT_SIZE])
+    assert expected_head(KEY, *layout(h)) == data[:CHECKSUM_AT]
+    assert expected_header(KEY, layout(h), data[CHECKSUM_AT : CHECKSUM_AT + 16]) == h
+    other = keys_for(seed=4, n_chunks=1)[0]
+    assert expected_head(other, *layout(h)) != data[:CHECKSUM_AT]
 
 
 def test_round_trip_of_a_payload_that_is_not_block_sized():

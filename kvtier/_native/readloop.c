@@ -14,10 +14,17 @@
  * What it decides is narrow on purpose: an object either read whole and its
  * payload's checksum matched the header's (OK), or anything else (FALLBACK:
  * not there, refused, another size, a failed read, a checksum that does not
- * match). The Python side parses and checks the header itself (codec.decode,
- * the format's one owner), and reads a FALLBACK object again the ordinary
- * way, which tells a miss, a corrupt object (quarantined) and an error apart
+ * match). The Python side reads a FALLBACK object again the ordinary way,
+ * which tells a miss, a corrupt object (quarantined) and an error apart
  * exactly as every other read does.
+ *
+ * The header is never parsed here: codec.py is the format's one owner. Where
+ * the caller passed the header bytes it expects before the payload checksum
+ * (``expect``: built by codec.expected_head from the key and the layout the
+ * tier learned), an OK object whose bytes equal them and whose header CRC-32
+ * matches is marked ``exact`` (the consumer then builds its header without
+ * parsing); any other OK object's header is parsed and checked by
+ * codec.decode, as before.
  *
  * Threads: ``run`` on one thread (a tier pool job); ``wait``, ``give`` and
  * ``stop`` from any other, under the load's mutex.
@@ -49,16 +56,21 @@ struct kvt_open_how { uint64_t flags, mode, resolve; };
 #define ALIGN 4096
 #define MAX_PAYLOAD (1ULL << 32)
 #define MAX_PIECES 64
+#define HEAD_EXPECTED 196 /* the header's bytes before the payload checksum (codec.CHECKSUM_AT) */
+#define HEAD_CRC_AT 212   /* the header CRC-32, of the bytes before it */
 
 typedef struct { uint64_t low64, high64; } xxh128_t;
 typedef xxh128_t (*xxh3_128_fn)(const void *, size_t);
 static xxh3_128_fn xxh3_128 = NULL;
+static uint32_t crc_table[256]; /* CRC-32 (IEEE, reflected: zlib's), filled at import */
 
 enum { PENDING = 0, OK = 1, FALLBACK = 2, SKIPPED = 3 };
 
 typedef struct {
     char *path;           /* relative to the base folder */
     unsigned char *buf;   /* NULL until ``give`` */
+    unsigned char *expect; /* the header's first HEAD_EXPECTED bytes as expected, or NULL */
+    int exact;            /* OK, and the header is ``expect`` with a matching CRC-32 */
     size_t cap;           /* the buffer's length: the object's, exactly */
     uint64_t est;         /* bytes, for the window */
     int state, err, fd;
@@ -160,6 +172,24 @@ static int payload_ok(const item_t *it, size_t got) {
         d[8 + k] = (unsigned char)(h.low64 >> (56 - 8 * k));
     }
     return memcmp(d, b + 196, 16) == 0;
+}
+
+static uint32_t crc32_ieee(const unsigned char *p, size_t n) {
+    uint32_t c = 0xffffffffu;
+    while (n--)
+        c = crc_table[(c ^ *p++) & 0xff] ^ (c >> 8);
+    return c ^ 0xffffffffu;
+}
+
+/* Whether the header of the object in ``it`` is the one expected, byte for
+ * byte, with a CRC-32 that matches it (nothing more is parsed here). */
+static int header_exact(const item_t *it) {
+    const unsigned char *b = it->buf;
+    uint32_t crc;
+    if (it->expect == NULL || memcmp(b, it->expect, HEAD_EXPECTED) != 0)
+        return 0;
+    memcpy(&crc, b + HEAD_CRC_AT, 4); /* little endian, as the format */
+    return crc32_ieee(b, HEAD_CRC_AT) == crc;
 }
 
 /* Open item i beneath the base folder with O_DIRECT; 0, or an errno. */
@@ -393,8 +423,11 @@ static void drive(Load *ld) {
             item_t *it = &ld->items[i];
             if (i >= __atomic_load_n(&ld->limit, __ATOMIC_ACQUIRE))
                 publish(ld, i, SKIPPED, 0);
-            else
-                publish(ld, i, payload_ok(it, it->size) ? OK : FALLBACK, EBADMSG);
+            else if (payload_ok(it, it->size)) {
+                it->exact = header_exact(it);
+                publish(ld, i, OK, 0);
+            } else
+                publish(ld, i, FALLBACK, EBADMSG);
             if (st.inflight > 0)
                 reap(ld, &st, 0, 0.0);
             continue;
@@ -448,8 +481,10 @@ out:
 
 static void Load_dealloc(Load *ld) {
     if (ld->items) {
-        for (int i = 0; i < ld->n; i++)
+        for (int i = 0; i < ld->n; i++) {
             free(ld->items[i].path);
+            free(ld->items[i].expect);
+        }
         free(ld->items);
     }
     free(ld->ev_t);
@@ -461,11 +496,11 @@ static void Load_dealloc(Load *ld) {
 
 static int Load_init(Load *ld, PyObject *args, PyObject *kw) {
     static char *names[] = {"paths", "sizes", "ctx", "depth", "window", "taper",
-                            "min_inflight", "piece", "poll_s", "trace", NULL};
-    PyObject *paths, *sizes;
+                            "min_inflight", "piece", "poll_s", "trace", "expect", NULL};
+    PyObject *paths, *sizes, *expect = Py_None;
     unsigned long long ctx, window, piece;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOKiKdiKd|p", names, &paths, &sizes, &ctx,
-                                     &ld->depth, &window, &ld->taper, &ld->min_inflight, &piece, &ld->poll_s, &ld->trace))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOKiKdiKd|pO", names, &paths, &sizes, &ctx, &ld->depth, &window,
+                                     &ld->taper, &ld->min_inflight, &piece, &ld->poll_s, &ld->trace, &expect))
         return -1;
     if (xxh3_128 == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "kvtier._readloop: set_hash() was not called");
@@ -476,8 +511,8 @@ static int Load_init(Load *ld, PyObject *args, PyObject *kw) {
         return -1;
     }
     Py_ssize_t n = PySequence_Size(paths);
-    if (n < 0 || PySequence_Size(sizes) != n) {
-        PyErr_SetString(PyExc_ValueError, "paths and sizes: sequences of one length");
+    if (n < 0 || PySequence_Size(sizes) != n || (expect != Py_None && PySequence_Size(expect) != n)) {
+        PyErr_SetString(PyExc_ValueError, "paths, sizes and expect: sequences of one length");
         return -1;
     }
     ld->ctx = (aio_context_t)ctx;
@@ -509,6 +544,26 @@ static int Load_init(Load *ld, PyObject *args, PyObject *kw) {
         ld->items[i].est = size;
         ld->items[i].fd = -1;
         if (!ld->items[i].path) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        if (expect == Py_None)
+            continue;
+        PyObject *e = PySequence_GetItem(expect, i);
+        if (e == NULL)
+            return -1;
+        if (e != Py_None) {
+            if (!PyBytes_Check(e) || PyBytes_GET_SIZE(e) != HEAD_EXPECTED) {
+                Py_DECREF(e);
+                PyErr_SetString(PyExc_ValueError, "expect: for each object, None or 196 bytes");
+                return -1;
+            }
+            ld->items[i].expect = malloc(HEAD_EXPECTED);
+            if (ld->items[i].expect)
+                memcpy(ld->items[i].expect, PyBytes_AS_STRING(e), HEAD_EXPECTED);
+        }
+        Py_DECREF(e);
+        if (e != Py_None && !ld->items[i].expect) {
             PyErr_NoMemory();
             return -1;
         }
@@ -609,7 +664,8 @@ static PyObject *Load_stop(Load *ld, PyObject *args) {
 }
 
 /* Object i's outcome: (state, errno, fd, bytes read, mtime, opened_s, t0:
- * when its open began, in time.perf_counter()'s seconds). The
+ * when its open began, in time.perf_counter()'s seconds, exact: OK with the
+ * header expected, see ``header_exact``). The
  * fd (-1 if never opened) is the caller's to close once ``run`` returned
  * or the object is OK. */
 static PyObject *Load_item(Load *ld, PyObject *args) {
@@ -619,7 +675,8 @@ static PyObject *Load_item(Load *ld, PyObject *args) {
     pthread_mutex_lock(&ld->mu);
     item_t it = ld->items[i];
     pthread_mutex_unlock(&ld->mu);
-    return Py_BuildValue("(iiinddd)", it.state, it.err, it.fd, (Py_ssize_t)it.size, it.mtime, it.opened_s, it.t0);
+    return Py_BuildValue("(iiindddi)", it.state, it.err, it.fd, (Py_ssize_t)it.size, it.mtime, it.opened_s, it.t0,
+                         it.state == OK && it.exact);
 }
 
 static PyObject *Load_times(Load *ld, PyObject *unused) {
@@ -658,7 +715,7 @@ static PyMethodDef Load_methods[] = {
     {"give", (PyCFunction)Load_give, METH_VARARGS, "give(i, address): object i's buffer, of its size."},
     {"wait", (PyCFunction)Load_wait, METH_VARARGS, "wait(i, timeout_s or None) -> state."},
     {"stop", (PyCFunction)Load_stop, METH_VARARGS, "stop(limit): read nothing from index limit on."},
-    {"item", (PyCFunction)Load_item, METH_VARARGS, "item(i) -> (state, errno, fd, got, mtime, opened_s, t0)."},
+    {"item", (PyCFunction)Load_item, METH_VARARGS, "item(i) -> (state, errno, fd, got, mtime, opened_s, t0, exact)."},
     {"times", (PyCFunction)Load_times, METH_NOARGS, "(opening_s, active_s, refused, broken: io_getevents failed) once run returned."},
     {NULL, NULL, 0, NULL},
 };
@@ -693,6 +750,12 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__readloop(void) {
+    for (uint32_t n = 0; n < 256; n++) {
+        uint32_t c = n;
+        for (int k = 0; k < 8; k++)
+            c = c & 1 ? 0xedb88320u ^ (c >> 1) : c >> 1;
+        crc_table[n] = c;
+    }
     if (PyType_Ready(&LoadType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence, TypeVar
 
 from kvtier.buffers import LoadBuffers, align_up
-from kvtier.codec import HEADER_BLOCK, ChunkObject, key_of
+from kvtier.codec import HEADER_BLOCK, ChunkObject, Header, key_of, layout
 from kvtier.config import ConfigError, opt, size_field
 from kvtier.engine.breaker import CircuitBreaker
 from kvtier.engine.executor import DELETE, LOAD, PriorityExecutor
@@ -49,8 +49,10 @@ _SLOW_OPENS_SHARE = 0.5
 _SLOW_OPENS_LOADS = 3
 _SLOW_OPENS_MIN_S = 0.005
 # Namespaces whose bytes per token a tier remembers (``_native_sizes``): a
-# handful of models and shards in practice.
+# handful of models and shards in practice; their layouts, per token count
+# (whole chunks, and the last chunks of sessions).
 _NAMESPACES_KEPT = 256
+_LAYOUTS_KEPT = 4096
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,10 @@ class FileTier(PooledTier):
         # Payload bytes of one token, per namespace (models, shards and KV
         # layouts differ), once an object of it was read or written here.
         self._payload_per_token: dict[bytes, int] = {}
+        # The payload layout (dtype, shape, length) per namespace and token
+        # count, from headers parsed here: the native read loop compares a
+        # header with the one this layout gives instead of parsing it.
+        self._layouts: dict[tuple[bytes, int], tuple[str, tuple[int, ...], int]] = {}
         self._owed = Owed()  # stamps loads handed over and not made yet (``defer_stamps``)
 
     # ------------------------------------------------------------ hooks
@@ -183,7 +189,9 @@ class FileTier(PooledTier):
                         functools.partial(self._finish_read, later=later, payload_checked=True),
                         functools.partial(self._read_one, later=later), self.pool, window, self._aio_contexts,
                         into=into, path=path, refused=self._refuse_aio, ended=base.close, done=done,
-                        timed=self._aio_timed, trace=self.read_trace)
+                        timed=self._aio_timed, trace=self.read_trace,
+                        layouts=[self._layouts.get((k.ns, k.num_tokens)) for k in keys],
+                        finish_exact=functools.partial(self._finish_exact, later=later))
                     self.metrics.load_driver("native")
                     return stream
                 except OSError as exc:  # no AIO context: the Python driver says why
@@ -229,6 +237,11 @@ class FileTier(PooledTier):
             if len(self._payload_per_token) >= _NAMESPACES_KEPT:
                 self._payload_per_token.clear()  # many namespaces: learn those in use again
             self._payload_per_token[obj.header.ns] = per
+        at = (obj.header.ns, obj.header.num_tokens)
+        if at not in self._layouts:
+            if len(self._layouts) >= _LAYOUTS_KEPT:
+                self._layouts.clear()
+            self._layouts[at] = layout(obj.header)
 
     def _run_later(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on this tier's pool (a load's stamps; RuntimeError once
@@ -292,6 +305,21 @@ class FileTier(PooledTier):
                 # system, round trips); by the load once its consumer is
                 # done, where ``later`` is given.
                 self._accepted(key, obj, op, t0, later)
+        finally:
+            op.close()  # unless the stamp took it
+        return obj
+
+    def _finish_exact(self, key: ChunkKey, op: OpenRead, header: Header, t0: float, pool,
+                      later: LoadStamps | None = None) -> ChunkObject:
+        """``_finish_read`` of an object the native read loop verified whole:
+        payload, padding, and a header equal to the one expected (``header``,
+        from ``codec.expected_header``) with its CRC-32: nothing is left to
+        parse, and this namespace's sizes and layout are known already."""
+        obj = ChunkObject(header, op.buf, pool)
+        try:
+            self._bytes_per_token = max(1, obj.nbytes // max(1, header.num_tokens))
+            self.metrics.observe("read", time.perf_counter() - t0)
+            self._touched(key, op.mtime, op, later)
         finally:
             op.close()  # unless the stamp took it
         return obj

@@ -44,7 +44,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable, Iterator, Sequence
 
 from kvtier.buffers import LoadBuffers, address, copy_into, slot
-from kvtier.codec import ChunkObject
+from kvtier.codec import CHECKSUM_AT, ChunkObject, Header, expected_head, expected_header
 from kvtier.engine.executor import LOAD, PriorityExecutor
 from kvtier.keys import ChunkKey
 from kvtier.tiers.aio import ContextPool
@@ -111,7 +111,12 @@ class NativeStream:
     read as several requests of about one size, ``ended()`` once the loop is done
     (the folder may be closed then), ``done()`` once the consumer is done
     (the first ``stop``; must not block), ``timed(opening_s, active_s)``
-    once the loop is done, as ``AioStream``'s."""
+    once the loop is done, as ``AioStream``'s. ``layouts``: per key, the
+    payload layout (dtype, shape, length) its header is expected to give, or
+    None; the loop marks an object whose header is exactly the one expected
+    (``codec.expected_head``, and a matching CRC-32), and
+    ``finish_exact(key, op, header, t0, pool)`` makes it without parsing
+    (``finish`` makes all others)."""
 
     def __init__(
         self,
@@ -133,6 +138,8 @@ class NativeStream:
         timed: Callable[[float, float], None] = lambda opening_s, active_s: None,
         trace: ReadTrace | None = None,
         piece_bytes: int = _PIECE,
+        layouts: Sequence[tuple | None] | None = None,
+        finish_exact: Callable[[ChunkKey, OpenRead, Header, float, object], ChunkObject] | None = None,
     ):
         if not available():
             raise RuntimeError("kvtier's native read loop is not built here")
@@ -143,6 +150,11 @@ class NativeStream:
         self.failed: BaseException | None = None
         self._keys, self._sizes, self._into = keys, sizes, into
         self._finish, self._read_sync, self._pool = finish, read_sync, pool
+        self._finish_exact = finish_exact
+        self._layouts = layouts if finish_exact is not None else None
+        expect = None
+        if self._layouts is not None:
+            expect = [None if lay is None else expected_head(k, *lay) for k, lay in zip(keys, self._layouts)]
         self._refused, self._ended, self._timed, self._trace = refused, ended, timed, trace
         self._done_hook: Callable[[], None] | None = done
         self._executor = executor
@@ -157,7 +169,8 @@ class NativeStream:
         self._ctx = contexts.take()
         try:
             self._load = _readloop.Load(list(paths), list(sizes), self._ctx.id, self._ctx.depth,
-                                        window_bytes, _TAPER, MIN_INFLIGHT, piece_bytes, _POLL_S, trace is not None)
+                                        window_bytes, _TAPER, MIN_INFLIGHT, piece_bytes, _POLL_S, trace is not None,
+                                        expect)
             # Buffers ahead of the consumer: what the window holds, plus two.
             per = max(1, min(sizes)) if sizes else 1
             self._ahead = len(keys) if into is not None else max(MIN_INFLIGHT, -(-window_bytes // per)) + 2
@@ -311,13 +324,16 @@ class NativeStream:
     def _accept(self, i: int, key: ChunkKey) -> object:
         """The object the loop read and checked (the tier's ``finish``
         parses its header), or None, or the error."""
-        _, _, fd, got, mtime, opened_s, t0 = self._load.item(i)
+        _, _, fd, got, mtime, opened_s, t0, exact = self._load.item(i)
         buf, pool = self._bufs[i]
         # No lock: the buffers go back (``_return_buffers``) only once this
         # thread called ``stop``, after this.
         self._taken[i] = True
         op = OpenRead(fd, True, len(buf), buf, mtime, opened_s)
         try:
+            if exact:
+                header = expected_header(key, self._layouts[i], bytes(buf[CHECKSUM_AT : CHECKSUM_AT + 16]))
+                return self._finish_exact(key, op, header, t0, pool)
             return self._finish(key, op, got, t0, pool)
         except Exception as exc:
             return exc

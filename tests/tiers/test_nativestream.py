@@ -208,19 +208,95 @@ def test_a_bad_object_is_read_again_the_ordinary_way_quarantined_and_counted(ope
     assert _no_fd_leak(before)
 
 
-@pytest.mark.parametrize("where", ["header", "padding"])
+@pytest.mark.parametrize("where", ["header", "crc", "padding"])
 def test_damage_the_loop_does_not_check_is_caught_by_the_header_check(open_tier, where):
-    """The loop compares the payload's checksum only; the header's own
-    checksum and the zero padding are checked by ``codec.decode`` as on
-    every path."""
+    """A damaged header is not the one the loop expects (nor is its CRC-32
+    right): ``codec.decode`` parses it and refuses it, as on every path; a
+    damaged padding fails the loop's own check (read again the ordinary
+    way, refused there)."""
     metrics = Metrics()
     tier = open_tier(metrics=metrics)
     c = make_chunks(6)
     tier.store(c.objs)
     path = tier.dir.path(c.keys[2])
-    flip_byte(path, 100 if where == "header" else 1000, 0x01)  # a namespace byte; the header block's zero padding
+    # A namespace byte; the header's CRC-32; the header block's zero padding.
+    flip_byte(path, {"header": 100, "crc": 213, "padding": 1000}[where], 0x01)
     assert len(_payloads(tier, c.keys)) == 2
     assert metrics.value("kvtier_integrity_failures_total", tier=tier.name) == 1
+
+
+def _count_parses(monkeypatch) -> list:
+    """Every header ``codec.decode`` parses from now on."""
+    from kvtier import codec
+
+    parsed = []
+    real = codec.parse_header
+
+    def counted(block):
+        parsed.append(1)
+        return real(block)
+
+    monkeypatch.setattr(codec, "parse_header", counted)
+    return parsed
+
+
+def test_a_header_as_expected_is_not_parsed_again(open_tier, monkeypatch):
+    """Once the tier knows a namespace's layout (here from its writes), the
+    loop compares each header with the one ``codec.expected_head`` gives
+    for the key, and its CRC-32 (computed in C, zlib's): the objects come
+    out with the header ``codec.decode`` would have parsed, none parsed."""
+    tier = open_tier()
+    c = make_chunks(12)
+    tier.store(c.objs)
+    parsed = _count_parses(monkeypatch)
+    got = _taken(tier._stream(c.keys), keep=True)
+    assert parsed == []
+    for o, k, written in zip(got, c.keys, c.objs):
+        assert o.header == written.header
+        assert_object(o, k)
+        o.release()
+
+
+def test_a_header_other_than_expected_is_parsed_and_served_as_it_is(open_tier, monkeypatch):
+    """A valid object of another layout than the one the tier learned for
+    its namespace and token count (here the same payload length, another
+    shape) is parsed by ``codec.decode`` and served with its own header."""
+    from kvtier.codec import encode
+    from tests.support import DTYPE, payload_for
+
+    tier = open_tier()
+    c = make_chunks(6)
+    tier.store(c.objs[:3])
+    shape = tuple(reversed(c.objs[0].header.shape))
+    tier.store([encode(k, DTYPE, shape, payload_for(k)) for k in c.keys[3:]])
+    parsed = _count_parses(monkeypatch)
+    got = _taken(tier._stream(c.keys), keep=True)
+    assert len(parsed) == 3
+    assert [o.header.shape for o in got] == [c.objs[0].header.shape] * 3 + [shape] * 3
+    for o, k in zip(got, c.keys):
+        assert_object(o, k)
+        o.release()
+
+
+def test_a_header_naming_another_key_is_refused_even_with_a_right_crc(open_tier):
+    """A header whose CRC-32 was made right again after its key check
+    changed (a naming collision, or a forged object) is not the one
+    expected: parsed, refused, quarantined."""
+    import zlib
+
+    metrics = Metrics()
+    tier = open_tier(metrics=metrics)
+    c = make_chunks(6)
+    tier.store(c.objs)
+    path = tier.dir.path(c.keys[2])
+    flip_byte(path, 50, 0x01)  # a byte of the key check (offsets: kvtier/codec.py)
+    with open(path, "r+b") as f:
+        head = f.read(212)
+        f.seek(212)
+        f.write(zlib.crc32(head).to_bytes(4, "little"))
+    assert len(_payloads(tier, c.keys)) == 2
+    assert metrics.value("kvtier_integrity_failures_total", tier=tier.name) == 1
+    assert not path.exists()
 
 
 def test_objects_of_a_size_other_than_expected_are_read_the_ordinary_way(open_tier):
