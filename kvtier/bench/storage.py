@@ -74,7 +74,7 @@ OBJECT_FILES_JOB = "buffered-128k-object-files"
 # The device reading one load's objects at once (bench/burst.py).
 BURST = "burst"
 # Read modes whose loads go through the AIO driver (their reads are traced).
-AIO_MODES = ("direct-aio", "direct-aio-lent", "direct-aio-4k")
+AIO_MODES = ("direct-aio", "direct-aio-lent", "direct-aio-lent-python", "direct-aio-4k")
 # fio's CPU per GB that kvtier's is held against: its cheapest job in the
 # read mode that reads within this fraction of its fastest (_cpu_comparison).
 CPU_REF_SPREAD = 0.10
@@ -86,6 +86,7 @@ def _shared_spec(path: Path, capacity: int, window: int, threads: int, mode: str
         SharedConfig(
             path=str(path), capacity=capacity, name="shared", o_direct=fio_mode(mode) == "direct",
             aio=mode in ("auto", *AIO_MODES), adaptive_reads=mode == "auto",
+            native_reads=mode != "direct-aio-lent-python",
             read_window_bytes=window, io_threads=threads, gc_interval_s=0,
         ),
     )

@@ -41,11 +41,14 @@ GiB = 1 << 30
 # ("buffered", o_direct: false, into the caller's own). ``--read-modes`` also takes "direct" (O_DIRECT
 # with one pool thread per blocking read, aio: false), "direct-aio-4k" (the
 # default path with its read buffers on 4 KiB pages, the store's
-# huge_pages: false) and "auto" (adaptive
+# huge_pages: false), "direct-aio-lent-python" (as "direct-aio-lent", read
+# by the Python AIO driver instead of the native read loop, native_reads:
+# false: the two drivers side by side in one run) and "auto" (adaptive
 # reads: each load by whichever of the two paths read faster lately).
 READ_MODES = ("direct-aio-lent", "direct-aio", "buffered")
-READ_MODE_CHOICES = ("auto", "direct", "buffered", "direct-aio", "direct-aio-lent", "direct-aio-4k")
-LENT_MODES = ("direct-aio-lent",)  # loads into ``TieredStore.load_buffers``
+READ_MODE_CHOICES = ("auto", "direct", "buffered", "direct-aio", "direct-aio-lent", "direct-aio-lent-python",
+                     "direct-aio-4k")
+LENT_MODES = ("direct-aio-lent", "direct-aio-lent-python")  # loads into ``TieredStore.load_buffers``
 
 
 def fio_mode(mode: str) -> str:

@@ -34,7 +34,7 @@ def test_bench_storage_cli_writes_table_and_json(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "kvtier.cli", "bench", "storage", "--dir", str(tmp_path / "d"), "--size", "48MiB",
          "--windows", "8MiB,32MiB", "--fio-depths", "1,8", "--repeats", "1", "--memory", "24MiB",
-         "--session-chunks", "8", "--read-modes", "auto,direct-aio,buffered,direct-aio-4k,direct-aio-lent", "--json", str(out),
+         "--session-chunks", "8", "--read-modes", "auto,direct-aio,buffered,direct-aio-4k,direct-aio-lent,direct-aio-lent-python", "--json", str(out),
          "--no-progress"],
         capture_output=True, text=True, timeout=300,
     )
@@ -54,7 +54,7 @@ def test_bench_storage_cli_writes_table_and_json(tmp_path):
     assert "fio same, files of 3.00MiB" in proc.stdout and "the ceiling of one file per object" in proc.stdout
     # Adaptive reads, and each path alone (O_DIRECT through AIO, the default;
     # buffered), each at every window: the operator sees which suits the storage.
-    modes = ("auto", "direct-aio", "buffered", "direct-aio-4k", "direct-aio-lent")
+    modes = ("auto", "direct-aio", "buffered", "direct-aio-4k", "direct-aio-lent", "direct-aio-lent-python")
     assert set(r["cold"]) == {f"{w} {m}" for w in ("8MiB", "32MiB") for m in modes}
     assert {v["read_mode"] for v in r["cold"].values()} == set(modes)
     # The default path with its buffers on 4 KiB pages reads O_DIRECT too.
@@ -85,6 +85,10 @@ def test_bench_storage_cli_writes_table_and_json(tmp_path):
     lent = r["cold"]["8MiB direct-aio-lent"]["loads_by_driver"]
     own = r["cold"]["8MiB direct-aio"]["loads_by_driver"]
     assert own["native"] == 0 and own["aio"] >= n_loads
+    # Lent buffers read by the Python driver (native_reads: false): the two
+    # drivers side by side in one run.
+    python = r["cold"]["8MiB direct-aio-lent-python"]["loads_by_driver"]
+    assert python["native"] == 0 and python["aio"] >= n_loads
     assert r["cold"]["8MiB buffered"]["loads_by_driver"]["threads"] >= n_loads
     if nativestream.available():
         assert lent["native"] >= n_loads and lent["aio"] == lent["threads"] == 0
@@ -109,7 +113,7 @@ def test_bench_storage_cli_writes_table_and_json(tmp_path):
     # The part that is not the read machinery: the checksum, and the copy
     # unless the best load read in place into lent buffers.
     assert r["copy_cpu_s_per_gb"] > 0 and r["checksum_cpu_s_per_gb"] > 0
-    assert r["cpu_floor_copies"] == (best["read_mode"] != "direct-aio-lent")
+    assert r["cpu_floor_copies"] == (best["read_mode"] not in ("direct-aio-lent", "direct-aio-lent-python"))
     copy = r["copy_cpu_s_per_gb"] if r["cpu_floor_copies"] else 0.0
     assert r["cpu_floor_s_per_gb"] == pytest.approx(copy + r["checksum_cpu_s_per_gb"])
     assert ("no copy: read in place into lent buffers" in proc.stdout) == (not r["cpu_floor_copies"])
@@ -117,7 +121,7 @@ def test_bench_storage_cli_writes_table_and_json(tmp_path):
     assert "the read machinery" in proc.stdout
     # Where the AIO path's loads had nothing in flight, and only for it.
     for label, v in r["cold"].items():
-        if v["read_mode"] in ("direct-aio", "direct-aio-4k", "direct-aio-lent"):
+        if v["read_mode"] in ("direct-aio", "direct-aio-4k", "direct-aio-lent", "direct-aio-lent-python"):
             idle = v["idle_ms"]
             assert idle["load"] > 0 and min(idle.values()) >= 0
             assert idle["start"] + idle["between"] + idle["tail"] <= idle["load"] * 1.001, label
