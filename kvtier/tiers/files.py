@@ -182,8 +182,8 @@ class ObjectDir:
     def rel_path(self, key: ChunkKey) -> bytes:
         """``key``'s object's path below the store's folder (``base_handle``),
         as ``open_read`` opens it where the kernel has ``openat2``."""
-        parts, name = self._rel(key)
-        return os.fsencode("/".join((*parts, name)))
+        h = key.digest.hex()  # as ``_rel``, in one string (a load names all its keys)
+        return f"objects/{key.ns[:8].hex()}/{h[:2]}/{h}{SUFFIX}".encode()
 
     def _rel(self, key: ChunkKey) -> tuple[tuple[str, ...], str]:
         h = key.digest.hex()

@@ -311,12 +311,16 @@ class NativeStream:
                     return
                 if val is None:
                     return
-                if self._into is not None:
+                # An object the loop read in its lent slot, of the slot's
+                # length, is there already; any other is the slot's to hold.
+                if self._into is not None and (state != _readloop.OK
+                                               or val.header.payload_len != self._into.payload_bytes):
                     val = self._deliver(i, val)
                     if val is None:
                         return
                 handed = i + 1
-                self._give_upto(i + 1 + self._ahead)
+                if self._given < len(self._keys):
+                    self._give_upto(i + 1 + self._ahead)
                 yield val
         finally:
             self.stop(consumed=handed)

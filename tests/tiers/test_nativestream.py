@@ -225,6 +225,14 @@ def test_damage_the_loop_does_not_check_is_caught_by_the_header_check(open_tier,
     assert metrics.value("kvtier_integrity_failures_total", tier=tier.name) == 1
 
 
+def test_the_loop_opens_each_object_at_its_path(open_tier):
+    """The paths handed to the loop (below the store's folder) name the
+    files ``ObjectDir.path`` names."""
+    tier = open_tier()
+    for k in make_chunks(5).keys:
+        assert tier.dir.base / tier.dir.rel_path(k).decode() == tier.dir.path(k)
+
+
 def _count_parses(monkeypatch) -> list:
     """Every header ``codec.decode`` parses from now on."""
     from kvtier import codec
