@@ -214,13 +214,16 @@ def pack_header(h: Header) -> bytes:
     return head + _CRC.pack(zlib.crc32(head))
 
 
-def expected_head(key: ChunkKey, dtype: str, shape: tuple[int, ...], payload_len: int) -> bytes:
+def expected_head(key: ChunkKey, dtype: str, shape: tuple[int, ...], payload_len: int) -> bytes | None:
     """The header bytes before the payload checksum (``CHECKSUM_AT``) of
     ``key``'s object, if its payload has this layout: what ``pack_header``
-    writes there. The native read loop compares an object's header with
-    them (and checks its CRC-32) instead of handing it to ``parse_header``;
-    the layout must come from a header that was parsed (``layout``)."""
-    return b"".join((_HEAD_START, key.digest, key.check, key.ns, _layout_bytes(dtype, shape, key.num_tokens, payload_len)))
+    writes there (None for a key whose digests are not of the format's
+    lengths: no object can echo it). The native read loop compares an
+    object's header with them (and checks its CRC-32) instead of handing it
+    to ``parse_header``; the layout must come from a header that was parsed
+    (``layout``)."""
+    head = b"".join((_HEAD_START, key.digest, key.check, key.ns, _layout_bytes(dtype, shape, key.num_tokens, payload_len)))
+    return head if len(head) == CHECKSUM_AT and len(key.digest) == 32 and len(key.check) == 16 else None
 
 
 @functools.lru_cache(maxsize=1024)

@@ -67,6 +67,8 @@ def test_the_expected_head_is_what_the_writer_wrote(data):
     assert expected_header(KEY, layout(h), data[CHECKSUM_AT : CHECKSUM_AT + 16]) == h
     other = keys_for(seed=4, n_chunks=1)[0]
     assert expected_head(other, *layout(h)) != data[:CHECKSUM_AT]
+    # A key no object can echo (a digest of another length) expects nothing.
+    assert expected_head(KEY._replace(digest=KEY.digest[:31]), *layout(h)) is None
 
 
 def test_round_trip_of_a_payload_that_is_not_block_sized():

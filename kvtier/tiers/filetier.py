@@ -231,17 +231,18 @@ class FileTier(PooledTier):
 
     def _learn_sizes(self, obj: ChunkObject) -> None:
         """What one token's payload takes, from an object read or written
-        here: a load's object lengths (``_native_sizes``)."""
+        here: a load's object lengths (``_native_sizes``); and the layout
+        its header gave, the one the next load expects (``_layouts``)."""
         per, rest = divmod(obj.header.payload_len, max(1, obj.header.num_tokens))
         if not rest and self._payload_per_token.get(obj.header.ns) != per:
             if len(self._payload_per_token) >= _NAMESPACES_KEPT:
                 self._payload_per_token.clear()  # many namespaces: learn those in use again
             self._payload_per_token[obj.header.ns] = per
-        at = (obj.header.ns, obj.header.num_tokens)
-        if at not in self._layouts:
+        at, lay = (obj.header.ns, obj.header.num_tokens), layout(obj.header)
+        if self._layouts.get(at) != lay:  # the last header parsed is what the next load expects
             if len(self._layouts) >= _LAYOUTS_KEPT:
                 self._layouts.clear()
-            self._layouts[at] = layout(obj.header)
+            self._layouts[at] = lay
 
     def _run_later(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on this tier's pool (a load's stamps; RuntimeError once
