@@ -579,22 +579,59 @@ static int check_index(Load *ld, int i) {
     return 0;
 }
 
+/* give(i, buffers): objects i, i+1, ... their buffers (writable, each at
+ * least its object's length; kept alive by the caller until ``run``
+ * returned), in one call and under one lock. */
 static PyObject *Load_give(Load *ld, PyObject *args) {
     int i;
-    unsigned long long addr;
-    if (!PyArg_ParseTuple(args, "iK", &i, &addr) || check_index(ld, i))
+    PyObject *bufs;
+    if (!PyArg_ParseTuple(args, "iO", &i, &bufs))
         return NULL;
+    PyObject *seq = PySequence_Fast(bufs, "give: a sequence of buffers");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n > 0 && (check_index(ld, i) || check_index(ld, i + (int)n - 1))) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    unsigned char **ptrs = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(*ptrs));
+    if (ptrs == NULL) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        Py_buffer view;
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, k), &view, PyBUF_WRITABLE) < 0)
+            goto fail;
+        ptrs[k] = view.buf;
+        int short_ = (size_t)view.len < ld->items[i + k].cap;
+        PyBuffer_Release(&view);
+        if (short_) {
+            PyErr_SetString(PyExc_ValueError, "a buffer shorter than its object");
+            goto fail;
+        }
+    }
     pthread_mutex_lock(&ld->mu);
-    int fresh = ld->items[i].buf == NULL;
+    int fresh = 1;
+    for (Py_ssize_t k = 0; k < n; k++)
+        fresh &= ld->items[i + k].buf == NULL;
     if (fresh)
-        __atomic_store_n(&ld->items[i].buf, (unsigned char *)(uintptr_t)addr, __ATOMIC_RELEASE);
+        for (Py_ssize_t k = 0; k < n; k++)
+            __atomic_store_n(&ld->items[i + k].buf, ptrs[k], __ATOMIC_RELEASE);
     pthread_cond_broadcast(&ld->cv);
     pthread_mutex_unlock(&ld->mu);
+    PyMem_Free(ptrs);
+    Py_DECREF(seq);
     if (!fresh) {
-        PyErr_SetString(PyExc_ValueError, "object already has a buffer");
+        PyErr_SetString(PyExc_ValueError, "an object already has a buffer");
         return NULL;
     }
     Py_RETURN_NONE;
+fail:
+    PyMem_Free(ptrs);
+    Py_DECREF(seq);
+    return NULL;
 }
 
 static PyObject *Load_run(Load *ld, PyObject *args) {
@@ -712,7 +749,8 @@ static PyMethodDef Load_methods[] = {
     {"run", (PyCFunction)Load_run, METH_VARARGS,
      "run(base_fd): read the load's objects, their paths below that folder (blocks; no GIL held); "
      "base_fd < 0: none (each ends SKIPPED)."},
-    {"give", (PyCFunction)Load_give, METH_VARARGS, "give(i, address): object i's buffer, of its size."},
+    {"give", (PyCFunction)Load_give, METH_VARARGS,
+     "give(i, buffers): objects i, i+1, ... their buffers (writable, each at least its object's length)."},
     {"wait", (PyCFunction)Load_wait, METH_VARARGS, "wait(i, timeout_s or None) -> state."},
     {"stop", (PyCFunction)Load_stop, METH_VARARGS, "stop(limit): read nothing from index limit on."},
     {"item", (PyCFunction)Load_item, METH_VARARGS, "item(i) -> (state, errno, fd, got, mtime, opened_s, t0, exact)."},

@@ -43,7 +43,7 @@ import time
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable, Iterator, Sequence
 
-from kvtier.buffers import LoadBuffers, address, copy_into, slot
+from kvtier.buffers import LoadBuffers, copy_into, slot
 from kvtier.codec import CHECKSUM_AT, ChunkObject, Header, expected_head, expected_header
 from kvtier.engine.executor import LOAD, PriorityExecutor
 from kvtier.keys import ChunkKey
@@ -193,16 +193,18 @@ class NativeStream:
         return self._into.lender(i) if self._into is not None else self._pool
 
     def _give_upto(self, n: int) -> None:
-        """Give objects up to index ``n`` (exclusive) their buffers."""
-        n = min(n, len(self._keys))
-        while self._given < n:
-            i = self._given
+        """Give objects up to index ``n`` (exclusive) their buffers, in one
+        call to the loop."""
+        n, first = min(n, len(self._keys)), self._given
+        if n <= first:
+            return
+        for i in range(first, n):
             pool = self._pool_for(i)
             buf = pool.get(self._sizes[i], direct_read=True)
             with self._lock:
-                self._bufs[i] = (buf, pool)
-            self._load.give(i, address(buf))
-            self._given += 1
+                self._bufs[i] = (buf, pool)  # returned from here on, whatever happens next
+        self._load.give(first, [b for b, _ in self._bufs[first:n]])
+        self._given = n
 
     def _return_buffers(self) -> None:
         """Back to their pools: every buffer not handed to ``finish``, and

@@ -225,6 +225,31 @@ def test_damage_the_loop_does_not_check_is_caught_by_the_header_check(open_tier,
     assert metrics.value("kvtier_integrity_failures_total", tier=tier.name) == 1
 
 
+def test_the_loop_takes_only_writable_buffers_of_its_objects_length():
+    """A buffer is given to the loop as a buffer, not an address: one too
+    short for its object, or read-only, is refused before any read could
+    land past its end."""
+    from kvtier.buffers import alloc
+    from kvtier.tiers.aio import AioContext
+
+    nativestream.available()
+    ctx = AioContext(64)
+    try:
+        load = nativestream._readloop.Load([b"a", b"b"], [8192, 8192], ctx.id, ctx.depth, 1 << 20, 0.75, 2,
+                                           4 << 20, 0.05, False)
+        with pytest.raises(ValueError):
+            load.give(0, [alloc(4096)])
+        with pytest.raises(BufferError):
+            load.give(0, [bytes(8192)])
+        with pytest.raises(IndexError):
+            load.give(1, [alloc(8192), alloc(8192)])
+        load.give(0, [alloc(8192), alloc(8192)])
+        with pytest.raises(ValueError):
+            load.give(1, [alloc(8192)])  # already given
+    finally:
+        ctx.close()
+
+
 def test_the_loop_opens_each_object_at_its_path(open_tier):
     """The paths handed to the loop (below the store's folder) name the
     files ``ObjectDir.path`` names."""
