@@ -313,10 +313,7 @@ class NativeStream:
                     return
                 if val is None:
                     return
-                # An object the loop read in its lent slot, of the slot's
-                # length, is there already; any other is the slot's to hold.
-                if self._into is not None and (state != _readloop.OK
-                                               or val.header.payload_len != self._into.payload_bytes):
+                if self._into is not None:
                     val = self._deliver(i, val)
                     if val is None:
                         return
