@@ -111,8 +111,9 @@ def hold_reads(tier, keys: Sequence[ChunkKey], first_held: int, gate: threading.
     """Make a directory tier's reads of ``keys[first_held:]`` wait for
     ``gate`` before they finish, on whichever read path it uses: a pool
     thread per read (``_read_one``) or native AIO (the default; each landed
-    object is finished by ``_finish_read``)."""
-    read, finish = tier._read_one, tier._finish_read
+    object is finished by ``_finish_read``, or by ``_finish_exact`` where
+    the native read loop found its header exactly as expected)."""
+    read, finish, exact = tier._read_one, tier._finish_read, tier._finish_exact
 
     def held(key):
         if keys.index(key) >= first_held:
@@ -126,7 +127,11 @@ def hold_reads(tier, keys: Sequence[ChunkKey], first_held: int, gate: threading.
         held(key)
         return finish(key, *args, **kw)
 
-    tier._read_one, tier._finish_read = read_one, finish_read
+    def finish_exact(key, *args, **kw):
+        held(key)
+        return exact(key, *args, **kw)
+
+    tier._read_one, tier._finish_read, tier._finish_exact = read_one, finish_read, finish_exact
 
 
 def flip_byte(path, offset: int, mask: int = 0xFF) -> None:
