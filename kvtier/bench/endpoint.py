@@ -304,15 +304,39 @@ class EndpointBackend:
 # ------------------------------------------------------------------ a whole workload
 
 
+# What kvtier's store counts once a save reached a tier (written, already
+# there, or dropped with a reason), against what the connector handed it.
+SAVED_CHUNKS = "kvtier_vllm_saved_chunks_total"
+_SAVE_OUTCOMES = ("kvtier_stored_chunks_total", "kvtier_store_skipped_chunks_total", "kvtier_dropped_saves_total")
+
+
+def writes_settled(before: dict[str, float], after: dict[str, float]) -> bool:
+    """Whether every tier that took saves this phase has accounted for all
+    the chunks the server's connector handed its store (written, found
+    there, or dropped): a tier's write-through runs behind the requests
+    that made it, and the next phase's lookups must find what this one
+    wrote."""
+    saved = total(after, SAVED_CHUNKS) - total(before, SAVED_CHUNKS)
+    if saved <= 0:
+        return True
+    done: dict[str, float] = {}
+    for name in _SAVE_OUTCOMES:
+        was = by_label(before, name, "tier")
+        for tier, v in by_label(after, name, "tier").items():
+            done[tier] = done.get(tier, 0.0) + v - was.get(tier, 0.0)
+    return all(n >= saved for n in done.values() if n > 0)
+
+
 def _settle(endpoints: list[str], before: list[dict], expected: list[int], timeout_s: float) -> list[dict]:
     """Scrape every endpoint until its request counter has counted the
     requests it was sent this phase (vLLM records stats just after it
-    streams the last chunk), or ``timeout_s`` passes."""
+    streams the last chunk) and its tiers have written what the phase saved
+    (``writes_settled``), or ``timeout_s`` passes."""
     end = time.monotonic() + timeout_s
     while True:
         after = [scrape(u) for u in endpoints]
         done = all(total(a, VLLM_COUNTERS["requests"]) - total(b, VLLM_COUNTERS["requests"]) >= n
-                   for a, b, n in zip(after, before, expected))
+                   and writes_settled(b, a) for a, b, n in zip(after, before, expected))
         if done or time.monotonic() > end:
             return after
         time.sleep(0.1)

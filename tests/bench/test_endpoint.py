@@ -237,6 +237,23 @@ def test_scrape_parsing_and_deltas():
     assert endpoint.total(after, endpoint.HIT_TOKENS) == 22
 
 
+def test_a_phase_settles_once_its_saves_are_written():
+    """The next phase's lookups must find what this one saved: a phase
+    ends once each tier that took saves has written, found or dropped as
+    many chunks as the connector handed the store."""
+    before = {"kvtier_vllm_saved_chunks_total": 4.0, "kvtier_stored_chunks_total{tier=memory}": 4.0,
+              "kvtier_stored_chunks_total{tier=shared}": 4.0}
+    after = dict(before)
+    assert endpoint.writes_settled(before, after)  # nothing saved this phase
+    after["kvtier_vllm_saved_chunks_total"] = 10.0  # 6 saved
+    after["kvtier_stored_chunks_total{tier=memory}"] = 10.0
+    after["kvtier_stored_chunks_total{tier=shared}"] = 7.0  # the shared tier's write-through runs behind
+    assert not endpoint.writes_settled(before, after)
+    after["kvtier_store_skipped_chunks_total{tier=shared}"] = 1.0
+    after["kvtier_dropped_saves_total{reason=queue_full,tier=shared}"] = 2.0
+    assert endpoint.writes_settled(before, after)  # 3 written, 1 already there, 2 dropped
+
+
 def test_text_prompts_when_a_detokenizer_is_given(servers):
     (a,) = servers(1)
     wl = w3(sessions=2, context=300, vocab=500, instances=1, seed=0)
