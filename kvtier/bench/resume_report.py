@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from kvtier.bench.endpoint import by_label
+
 # Acceptance bars of the benchmark issue, checked on every run that has the
 # configurations they compare.
 BARS = {
@@ -46,16 +48,6 @@ def _tier_hits(metrics: dict) -> dict[str, float]:
     for k, v in metrics.items():
         if k.startswith("kvtier_vllm_external_hit_tokens_total{tier="):
             out[k.split("tier=")[1].rstrip("}")] = v
-    return out
-
-
-def _load_drivers(metrics: dict) -> dict[str, float]:
-    """Directory tiers' loads by what drove their reads (``kvtier_load_drivers_total``)."""
-    out: dict[str, float] = {}
-    for k, v in metrics.items():
-        if k.startswith("kvtier_load_drivers_total{") and "driver=" in k:
-            driver = k.split("driver=")[1].split(",")[0].rstrip("}")
-            out[driver] = out.get(driver, 0.0) + v
     return out
 
 
@@ -106,7 +98,8 @@ def _figures(runs: list[dict]) -> dict:
         "kvtier_lookup_s_mean": (m.get("kvtier_vllm_lookup_seconds_sum", 0.0) / m["kvtier_vllm_lookup_seconds_count"]
                                  if m.get("kvtier_vllm_lookup_seconds_count") else None),
         "kvtier_lookups_deferred": m.get("kvtier_vllm_lookup_deferred_total", 0),
-        "kvtier_load_drivers": _load_drivers(m),
+        # Directory tiers' loads by what drove their reads.
+        "kvtier_load_drivers": by_label(m, "kvtier_load_drivers_total", "driver"),
     }
 
 

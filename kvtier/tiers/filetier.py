@@ -318,9 +318,7 @@ class FileTier(PooledTier):
         parse, and this namespace's sizes and layout are known already."""
         obj = ChunkObject(header, op.buf, pool)
         try:
-            self._bytes_per_token = max(1, obj.nbytes // max(1, header.num_tokens))
-            self.metrics.observe("read", time.perf_counter() - t0)
-            self._touched(key, op.mtime, op, later)
+            self._read_done(key, obj, op, t0, later)
         finally:
             op.close()  # unless the stamp took it
         return obj
@@ -344,8 +342,14 @@ class FileTier(PooledTier):
 
     def _accepted(self, key: ChunkKey, obj: ChunkObject, op: OpenRead, t0: float,
                   later: LoadStamps | None = None) -> None:
-        self._bytes_per_token = max(1, obj.nbytes // max(1, obj.header.num_tokens))
         self._learn_sizes(obj)
+        self._read_done(key, obj, op, t0, later)
+
+    def _read_done(self, key: ChunkKey, obj: ChunkObject, op: OpenRead, t0: float,
+                   later: LoadStamps | None = None) -> None:
+        """A verified read's accounting: the window's estimate of an
+        object's bytes, the read's latency, the object's recency stamp."""
+        self._bytes_per_token = max(1, obj.nbytes // max(1, obj.header.num_tokens))
         self.metrics.observe("read", time.perf_counter() - t0)
         self._touched(key, op.mtime, op, later)
 
