@@ -42,7 +42,8 @@ from kvtier.codec import HEADER_BLOCK
 from kvtier.config import StoreConfig, TierSpec
 from kvtier.engine.store import TieredStore
 from kvtier.bench.burst import Burst, why_not as burst_why_not
-from kvtier.bench.fio import BUFFERED_STREAMS, fio_seq_read_run, remove_fio_file
+from kvtier.bench.fio import (BUFFERED_STREAMS, HUGE_PAGE_SIZE, fio_seq_read_run, huge_buffer_bytes, huge_pages_free,
+                              remove_fio_file)
 from kvtier.bench.storage_common import (
     GiB,
     MiB,
@@ -171,15 +172,20 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
     # fio: O_DIRECT at each depth, and buffered 128 KiB reads (readahead) in
     # as many streams as kvtier reads objects at once (its I/O threads).
     streams = min(cfg.io_threads, BUFFERED_STREAMS)
-    fio_jobs = {f"qd{d}": (d, "1M", True, 1, 0) for d in cfg.fio_depths}
+    fio_jobs = {f"qd{d}": (d, "1M", True, 1, 0, False) for d in cfg.fio_depths}
+    # The same O_DIRECT jobs with fio's buffers on huge pages, as kvtier's
+    # are, where the host reserved enough (vm.nr_hugepages): on 4 KiB pages
+    # each read pins every page, which may cost fio more than the device.
+    huge, result["fio_huge_skipped"] = _huge_jobs(cfg.fio_depths)
+    fio_jobs.update(huge)
     object_bytes = HEADER_BLOCK + align_up(result["chunk_bytes"])
     # Whatever read modes of kvtier's are measured: fio's best job is the
     # device's best, the figure every cold load is held against.
-    fio_jobs["buffered-128k"] = (1, "128k", False, streams, 0)
+    fio_jobs["buffered-128k"] = (1, "128k", False, streams, 0, False)
     # The same job over files of kvtier's object size: what a layout of one
     # file per object allows the device, with no kvtier code in the way (each
     # file's readahead starts small and ends with the file).
-    fio_jobs[OBJECT_FILES_JOB] = (1, "128k", False, streams, object_bytes)
+    fio_jobs[OBJECT_FILES_JOB] = (1, "128k", False, streams, object_bytes, False)
     fio_runs: dict[str, list] = {j: [] for j in fio_jobs}
     device = DeviceReads(store_dir)
     variants = [(w, m) for m in cfg.read_modes for w in cfg.windows]
@@ -221,9 +227,9 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
                 if kind == "fio":
                     # fio lays its files out before it reads: sampled around the whole
                     # run, the requests are its reads' (writes are counted apart).
-                    depth, block, o_direct, n_streams, file_bytes = fio_jobs[what]
+                    depth, block, o_direct, n_streams, file_bytes, on_huge = fio_jobs[what]
                     fio_runs[what].append(fio_seq_read_run(fio_dir, depth, fio_size, block=block, direct=o_direct,
-                                                           jobs=n_streams, file_bytes=file_bytes))
+                                                           jobs=n_streams, file_bytes=file_bytes, huge_pages=on_huge))
                     tick(1)
                 elif kind == "burst":
                     burst_runs.append(burst.run())
@@ -252,7 +258,7 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
             st.close()
     result["fio"] = {
         j: {**summarize(runs), "read_mode": "direct" if fio_jobs[j][2] else "buffered",
-            "request_kib": _median_or_none(requests[j])}
+            "huge_pages": fio_jobs[j][5], "request_kib": _median_or_none(requests[j])}
         for j, runs in fio_runs.items()
     }
     result["fio_streams"] = streams
@@ -303,6 +309,19 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
 
 
 DRIVERS = ("native", "aio", "threads")  # kvtier_load_drivers_total's drivers
+HUGE_SUFFIX = "-huge"  # fio's O_DIRECT jobs with their buffers on huge pages: "qd8-huge"
+
+
+def _huge_jobs(depths) -> tuple[dict, str]:
+    """fio's O_DIRECT jobs at ``depths`` with buffers on huge pages, where
+    the host has enough reserved huge pages free for the largest (one job
+    runs at a time); else none, and why (the report says how to add them)."""
+    need = max((huge_buffer_bytes(d, "1M") for d in depths), default=0)
+    free = huge_pages_free()
+    if not depths or free >= need:
+        return {f"qd{d}{HUGE_SUFFIX}": (d, "1M", True, 1, 0, True) for d in depths}, ""
+    return {}, (f"{free >> 20} MiB of reserved huge pages free, {need >> 20} MiB needed: "
+                f"sysctl vm.nr_hugepages={need // HUGE_PAGE_SIZE} (as root) adds them")
 
 
 def _idle_ms(trace: ReadTrace) -> dict | None:
@@ -346,17 +365,34 @@ def _cpu_comparison(r: dict) -> dict:
     system time of the reading process(es): kvtier's whole process (every
     thread) from getrusage, fio's jobs from fio's own accounting."""
     best = r["cold"][r["cold_best_window"]]
-    same = [j for j, v in r["fio"].items() if v["read_mode"] == fio_mode(best["read_mode"])] or list(r["fio"])
-    fastest = max(r["fio"][j]["median_gbps"] for j in same)
-    at_speed = [j for j in same if r["fio"][j]["median_gbps"] >= (1 - CPU_REF_SPREAD) * fastest]
-    ref = min(at_speed, key=lambda j: r["fio"][j]["cpu_s_per_gb"])
-    kv, fio = best["cpu_s_per_gb"], r["fio"][ref]["cpu_s_per_gb"]
-    return {
+    kv = best["cpu_s_per_gb"]
+    ref = _cpu_reference(r["fio"], fio_mode(best["read_mode"]))
+    fio = r["fio"][ref]["cpu_s_per_gb"]
+    out = {
         "cold_cpu_s_per_gb": kv,
         "fio_cpu_job": ref,
         "fio_cpu_s_per_gb": fio,
         "cpu_vs_fio": kv / fio if fio > 0 else float("nan"),
     }
+    if any(v.get("huge_pages") for v in r["fio"].values()):
+        # Also against fio's jobs on its default buffers alone (what runs
+        # without reserved huge pages, and every run before them).
+        small = {j: v for j, v in r["fio"].items() if not v.get("huge_pages")}
+        ref4k = _cpu_reference(small, fio_mode(best["read_mode"]))
+        fio4k = small[ref4k]["cpu_s_per_gb"]
+        out.update({"fio_cpu_job_4k_pages": ref4k, "fio_cpu_s_per_gb_4k_pages": fio4k,
+                    "cpu_vs_fio_4k_pages": kv / fio4k if fio4k > 0 else float("nan")})
+    return out
+
+
+def _cpu_reference(jobs: dict, mode: str) -> str:
+    """Of fio's ``jobs``, the one kvtier's CPU is held against: the cheapest
+    within ``CPU_REF_SPREAD`` of the fastest in read ``mode`` (any mode if
+    none ran in it)."""
+    same = [j for j, v in jobs.items() if v["read_mode"] == mode] or list(jobs)
+    fastest = max(jobs[j]["median_gbps"] for j in same)
+    at_speed = [j for j in same if jobs[j]["median_gbps"] >= (1 - CPU_REF_SPREAD) * fastest]
+    return min(at_speed, key=lambda j: jobs[j]["cpu_s_per_gb"])
 
 
 def _fs_type(path: Path) -> str:
@@ -403,6 +439,8 @@ def format_table(r: dict) -> str:
             what = f"fio same, files of {r['object_bytes'] / MiB:.2f}MiB"
         elif job.startswith("buffered"):
             what = f"fio seq read buffered 128KiB x{r.get('fio_streams', 1)}"
+        elif job.endswith(HUGE_SUFFIX):
+            what = f"fio seq read O_DIRECT 1MiB {job[: -len(HUGE_SUFFIX)]}, huge pages"
         else:
             what = "fio seq read O_DIRECT 1MiB " + job
         lines.append(f"{what:<{width}}{v['median_gbps']:>8.2f}  {v['median_gbps'] / fio_best:>12.2f} x fio  "
@@ -467,6 +505,13 @@ def format_table(r: dict) -> str:
         f"= {r['cpu_vs_fio']:.2f} x fio; kvtier's cost is "
         f"{kv * 10:.1f} cores at 10 GB/s, {kv * 50:.1f} at 50 GB/s"
     )
+    if "cpu_vs_fio_4k_pages" in r:
+        lines.append(
+            f"  against fio's buffers on 4 KiB pages (its default, without the huge-page jobs): fio "
+            f"{r['fio_cpu_s_per_gb_4k_pages']:.3f} s ({r['fio_cpu_job_4k_pages']}) = {r['cpu_vs_fio_4k_pages']:.2f} x fio"
+        )
+    elif r.get("fio_huge_skipped"):
+        lines.append(f"  fio with its buffers on huge pages, as kvtier's are: not run ({r['fio_huge_skipped']})")
     if "cpu_floor_s_per_gb" in r:
         copy = (f"copy into the caller's buffers {r['copy_cpu_s_per_gb']:.3f}, " if r.get("cpu_floor_copies", True)
                 else f"no copy: read in place into lent buffers, a copy would be {r['copy_cpu_s_per_gb']:.3f}; ")

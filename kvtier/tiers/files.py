@@ -23,6 +23,7 @@ kept together, that rule can be checked in one place.
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
 import secrets
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from kvtier.buffers import BufferPool, align_up
+from kvtier.buffers import ALIGN, BufferPool, address, align_up
 from kvtier.codec import HEADER_BLOCK, MAX_PAYLOAD, ChunkObject, Header, decode, parse_header
 from kvtier.config import ConfigError
 from kvtier.errors import CorruptObject
@@ -151,6 +152,9 @@ class ObjectDir:
         self.tmp = self.base / "tmp"
         self.quarantine_dir = self.base / "quarantine"
         self.direct_ok = True
+        # Objects written with O_DIRECT where their buffers allow it: set by
+        # the tier (its ``direct_writes``); off once the file system refused.
+        self.direct_writes = False
         if not create:
             if not self.base.is_dir() or self.base.is_symlink():
                 raise ConfigError(config_key, f"there is no kvtier store at {self.root} ({self.base} is missing)",
@@ -424,8 +428,10 @@ class ObjectDir:
 
     # ------------------------------------------------------------ write
     def write(self, obj: ChunkObject, key: ChunkKey, fsync: bool) -> None:
-        """Publish ``obj`` atomically under ``key``'s name."""
-        w = self.begin_write()
+        """Publish ``obj`` atomically under ``key``'s name; with O_DIRECT
+        (``direct_writes``) where its buffer allows (page-aligned, whole
+        pages)."""
+        w = self.begin_write(direct=self.direct_writes and _direct_writable(obj.buf))
         try:
             w.fill(obj, fsync)
             w.publish(key)
@@ -433,14 +439,31 @@ class ObjectDir:
             w.abort()
             raise
 
-    def begin_write(self, size: int = 0) -> "PendingWrite":
+    def refuse_direct_writes(self, why: str) -> None:
+        """Write this directory buffered from now on: its file system
+        refused an O_DIRECT write (logged once)."""
+        if self.direct_writes:
+            self.direct_writes = False
+            log.warning("kvtier: %s under %s; writing it buffered from now on", why, self.root)
+
+    def begin_write(self, size: int = 0, direct: bool = False) -> "PendingWrite":
         """A temp file in ``tmp/``, ``size`` bytes long from the start (a
         caller that accounts for writes in flight counts them by their temp
-        files' sizes). Fill it, then publish it under a key, or abort it."""
+        files' sizes). Fill it, then publish it under a key, or abort it.
+        ``direct``: opened with O_DIRECT, where this file system takes it."""
         tmp = f"{HOST}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
         tdir = self._open_dir(("tmp",), create=True)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        direct = direct and self.direct_writes and bool(_O_DIRECT)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=tdir)
+            try:
+                fd = os.open(tmp, flags | (_O_DIRECT if direct else 0), 0o600, dir_fd=tdir)
+            except OSError as exc:
+                if not direct or exc.errno != errno.EINVAL:
+                    raise
+                self.refuse_direct_writes("the file system refused to open a file for O_DIRECT writes")
+                direct = False
+                fd = os.open(tmp, flags, 0o600, dir_fd=tdir)
             try:
                 if size:
                     os.ftruncate(fd, size)
@@ -451,7 +474,7 @@ class ObjectDir:
         except BaseException:
             os.close(tdir)
             raise
-        return PendingWrite(self, tdir, fd, tmp)
+        return PendingWrite(self, tdir, fd, tmp, direct)
 
     def exists(self, key: ChunkKey) -> bool:
         # A plain stat (one round trip on a network mount). It may follow a
@@ -657,14 +680,24 @@ class PendingWrite:
     """One object being written to ``tmp/`` (see ``ObjectDir.begin_write``).
     Owned by the thread that began it; ``publish`` or ``abort`` ends it."""
 
-    def __init__(self, odir: ObjectDir, tdir: int, fd: int, name: str):
+    def __init__(self, odir: ObjectDir, tdir: int, fd: int, name: str, direct: bool = False):
         self._odir, self._tdir, self._fd, self.name = odir, tdir, fd, name
+        self.direct = direct  # opened with O_DIRECT (until a write refused it)
 
     def fill(self, obj: ChunkObject, fsync: bool) -> None:
         view = obj.buf
         done = 0
         while done < view.nbytes:
-            done += os.pwrite(self._fd, view[done:], done)
+            try:
+                done += os.pwrite(self._fd, view[done:], done)
+            except OSError as exc:
+                # Some file systems open with O_DIRECT and refuse the write
+                # (EINVAL), as some refuse the read: the rest goes buffered.
+                if not self.direct or exc.errno != errno.EINVAL:
+                    raise
+                self._odir.refuse_direct_writes("an O_DIRECT write failed (EINVAL)")
+                fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~_O_DIRECT)
+                self.direct = False
         if fsync:
             os.fsync(self._fd)
 
@@ -691,6 +724,18 @@ class PendingWrite:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+def _direct_writable(buf: memoryview) -> bool:
+    """Whether an O_DIRECT write can take ``buf`` as it is: whole pages from
+    a page boundary (a read-only buffer's address is not asked: written
+    buffered)."""
+    if buf.nbytes == 0 or buf.nbytes % ALIGN:
+        return False
+    try:
+        return address(buf) % ALIGN == 0
+    except TypeError:
+        return False
 
 
 def _is_hex(name: str, length: int) -> bool:

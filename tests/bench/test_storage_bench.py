@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from kvtier.bench import fio, storage
 from kvtier.bench.burst import Burst, why_not as burst_why_not
 from kvtier.bench.storage import DeviceReads, _cpu_comparison
 from kvtier.bench.storage_common import StorageBenchError
@@ -45,7 +46,18 @@ def test_bench_storage_cli_writes_table_and_json(tmp_path):
     for key in ("fio_best_gbps", "cold_load_gbps", "memory_load_gbps", "memcpy_gbps"):
         assert r[key] > 0, key
     assert r["chunks"] == 16 and r["chunk_bytes"] == 3 << 20
-    assert set(r["fio"]) == {"qd1", "qd8", "buffered-128k", "buffered-128k-object-files"}
+    # fio's O_DIRECT jobs also with their buffers on huge pages, as kvtier's
+    # are, where the host reserved them; else the report says how to add them.
+    huge = {"qd1-huge", "qd8-huge"} if not r["fio_huge_skipped"] else set()
+    assert set(r["fio"]) == {"qd1", "qd8", "buffered-128k", "buffered-128k-object-files"} | huge
+    if huge:
+        assert all(r["fio"][j]["huge_pages"] and r["fio"][j]["read_mode"] == "direct" for j in huge)
+        assert "fio seq read O_DIRECT 1MiB qd8, huge pages" in proc.stdout
+        assert r["fio_cpu_job_4k_pages"] in ("qd1", "qd8") and "against fio's buffers on 4 KiB pages" in proc.stdout
+    else:
+        assert "vm.nr_hugepages=" in r["fio_huge_skipped"]
+        assert "fio with its buffers on huge pages, as kvtier's are: not run" in proc.stdout
+    assert not any(r["fio"][j]["huge_pages"] for j in ("qd1", "qd8", "buffered-128k"))
     # fio's buffered job over files of kvtier's object size: the ceiling of the layout.
     assert r["object_bytes"] == (3 << 20) + 4096
     files = r["fio"]["buffered-128k-object-files"]["median_gbps"]
@@ -153,7 +165,8 @@ def test_bench_storage_cli_writes_table_and_json(tmp_path):
     assert len(objs) == 16
     r = json.loads(out.read_text())
     assert set(r["cold"]) == {"8MiB direct-aio"}
-    assert set(r["fio"]) == {"qd1", "buffered-128k", "buffered-128k-object-files"}
+    huge = {"qd1-huge"} if not r["fio_huge_skipped"] else set()
+    assert set(r["fio"]) == {"qd1", "buffered-128k", "buffered-128k-object-files"} | huge
     assert r["fio_best_gbps"] == max(v["median_gbps"] for v in r["fio"].values())
 
 
@@ -356,6 +369,52 @@ def test_kvtier_cpu_is_held_against_fios_cheapest_job_at_the_devices_speed_not_i
     # A buffered load is held against the buffered job.
     r["cold"]["w"]["read_mode"] = "buffered"
     assert _cpu_comparison(r)["fio_cpu_job"] == "buffered-128k"
+
+
+def test_fios_huge_page_jobs_run_where_the_host_reserved_enough_and_are_held_apart(tmp_path, monkeypatch):
+    """fio's buffers on 4 KiB pages cost it more than the device here
+    (every O_DIRECT read pins each page): its O_DIRECT jobs run again with
+    buffers on reserved huge pages where enough are free for the deepest,
+    and kvtier's CPU is also given against the 4 KiB-page jobs alone."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 24000000 kB\nHugePages_Total:      64\nHugePages_Free:       40\n"
+                       "Hugepagesize:       2048 kB\n")
+    assert fio.huge_pages_free(str(meminfo)) == 40 << 21
+    assert fio.huge_pages_free(str(tmp_path / "none")) == 0
+    assert fio.huge_buffer_bytes(32, "1M") == (16 + 1) << 21  # 32 MiB, and a page to align
+    assert fio.huge_buffer_bytes(1, "128k") == 2 << 21
+    monkeypatch.setattr(storage, "huge_pages_free", lambda: 34 << 20)
+    jobs, why = storage._huge_jobs((1, 8, 32))
+    assert set(jobs) == {"qd1-huge", "qd8-huge", "qd32-huge"} and why == ""
+    assert jobs["qd32-huge"] == (32, "1M", True, 1, 0, True)
+    monkeypatch.setattr(storage, "huge_pages_free", lambda: 32 << 20)  # qd32 needs 34 MiB
+    jobs, why = storage._huge_jobs((1, 8, 32))
+    assert jobs == {} and "32 MiB of reserved huge pages free, 34 MiB needed" in why
+    assert "sysctl vm.nr_hugepages=17" in why
+    r = {"fio": {
+        "qd8": {"read_mode": "direct", "median_gbps": 2.20, "cpu_s_per_gb": 0.037, "huge_pages": False},
+        "qd8-huge": {"read_mode": "direct", "median_gbps": 3.20, "cpu_s_per_gb": 0.0075, "huge_pages": True},
+    }, "cold": {"w": {"read_mode": "direct-aio-lent", "cpu_s_per_gb": 0.060}}, "cold_best_window": "w"}
+    got = _cpu_comparison(r)
+    assert got["fio_cpu_job"] == "qd8-huge" and got["cpu_vs_fio"] == pytest.approx(0.060 / 0.0075)
+    assert got["fio_cpu_job_4k_pages"] == "qd8" and got["cpu_vs_fio_4k_pages"] == pytest.approx(0.060 / 0.037)
+    del r["fio"]["qd8-huge"]
+    assert "cpu_vs_fio_4k_pages" not in _cpu_comparison(r)
+
+
+@needs_fio
+def test_fio_reads_with_its_buffers_on_huge_pages_where_they_are_free(tmp_path):
+    """The real thing: where the host has reserved huge pages free, a fio
+    job with ``huge_pages`` reads; where it has none, fio itself fails, as
+    the bench's check (``_huge_jobs``) expects, so the bench never asks."""
+    need = fio.huge_buffer_bytes(1, "1M")
+    if fio.huge_pages_free() >= need:
+        got = fio.fio_seq_read_run(tmp_path, 1, 8 << 20, huge_pages=True)
+        assert got.gbps > 0 and got.nbytes == 8 << 20
+    else:
+        with pytest.raises(RuntimeError, match="fio failed"):
+            fio.fio_seq_read_run(tmp_path, 1, 8 << 20, huge_pages=True)
+        assert storage._huge_jobs((1,))[0] == {}
 
 
 def test_the_burst_reads_every_sessions_files_whole_or_says_why_not(tmp_path):
