@@ -46,8 +46,10 @@ def _storage_parser(bsub) -> None:
         help="how close kvtier's reads get to the storage limit (fio) and to memcpy",
         description=(
             "Write SIZE bytes of chunk objects shaped like a model's KV into DIR, then measure in one run: "
-            "fio sequential reads (O_DIRECT at queue depths --fio-depths, and buffered 128KiB reads with the "
-            "kernel's readahead), kvtier cold loads with the page cache dropped at several read windows in each "
+            "fio sequential reads (O_DIRECT at queue depths --fio-depths, again with fio's buffers on huge "
+            "pages as kvtier's are where the host reserved them (sysctl vm.nr_hugepages; on 4 KiB pages each "
+            "O_DIRECT read pins every page, which can cost fio more than the device), and buffered 128KiB reads "
+            "with the kernel's readahead), kvtier cold loads with the page cache dropped at several read windows in each "
             "read mode (--read-modes: the file tiers' o_direct true/false; the table shows which suits this "
             "storage), and kvtier memory-tier loads against memcpy. Figures are medians "
             "of --repeats runs. Needs Debian's fio. With --tier (Redis, S3) instead of --dir: writes, "
