@@ -693,9 +693,12 @@ class PendingWrite:
             except OSError as exc:
                 # Some file systems open with O_DIRECT and refuse the write
                 # (EINVAL), as some refuse the read: the rest goes buffered.
+                # (After a short write the rest is off a page boundary: that
+                # file alone goes on buffered.)
                 if not self.direct or exc.errno != errno.EINVAL:
                     raise
-                self._odir.refuse_direct_writes("an O_DIRECT write failed (EINVAL)")
+                if done == 0:
+                    self._odir.refuse_direct_writes("an O_DIRECT write failed (EINVAL)")
                 fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~_O_DIRECT)
                 self.direct = False
         if fsync:

@@ -699,3 +699,31 @@ def test_a_file_system_that_refuses_o_direct_writes_is_written_buffered_with_one
     for key, obj in zip(d.keys, other.fetch(d.keys)):
         assert_object(obj, key)
         obj.release()
+
+
+def test_a_short_o_direct_write_finishes_that_object_buffered_and_keeps_o_direct_for_the_next(open_shared,
+                                                                                              monkeypatch):
+    """After a short write the rest of the object is off a page boundary,
+    which O_DIRECT refuses (EINVAL): that file goes on buffered and is
+    written whole; the directory is not marked as refusing O_DIRECT."""
+    import errno
+    import fcntl
+
+    tier = open_shared()
+    seen = _writes(tier, monkeypatch)
+    real_pwrite = os.pwrite
+
+    def short_then_refused(fd, data, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            if offset:
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return real_pwrite(fd, memoryview(data)[:4096], offset)
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", short_then_refused)
+    c = make_chunks(2)
+    assert tier.store(c.objs) == 2
+    assert seen == [True, True] and tier.dir.direct_writes
+    for key, obj in zip(c.keys, tier.fetch(c.keys)):
+        assert_object(obj, key)
+        obj.release()
