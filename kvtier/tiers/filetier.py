@@ -89,9 +89,9 @@ class FileTierConfig:
     fsync: bool = opt(False, "fsync each object before publishing (checksums already catch torn data)")
     direct_writes: bool = opt(True, "write each object with O_DIRECT where its buffer is page-aligned: its blocks "
                               "are placed as it is written, each object's on its own aligned run, not packed "
-                              "with others' at writeback (on this project's disk cold 2k loads read 2.69 "
-                              "against 2.28 GB/s; docs/benchmarks.md); file systems that refuse it are written "
-                              "buffered, with one warning")
+                              "with others' at writeback (on this project's disk cold 2k loads of the same "
+                              "objects read 3-18 % faster; docs/benchmarks.md); file systems that refuse it are "
+                              "written buffered, with one warning")
 
     def validate(self, prefix: str = "") -> None:
         if not self.path:

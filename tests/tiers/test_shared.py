@@ -625,7 +625,7 @@ def test_objects_are_written_with_o_direct_where_their_buffers_allow_and_read_ba
                                                                                            monkeypatch):
     """Written with O_DIRECT, an object's blocks are placed as it is
     written, on their own aligned run, not packed with other objects' at
-    writeback (cold 2k loads here: 2.69 against 2.28 GB/s,
+    writeback (cold 2k loads here 3-18 % faster,
     docs/benchmarks.md). Objects kvtier builds sit in page-aligned buffers of
     whole pages; any other buffer is written buffered, as is every object
     with ``direct_writes: false``."""
