@@ -114,7 +114,7 @@ class FileTier(PooledTier):
     def __init__(self, config: FileTierConfig, metrics=None, breaker: CircuitBreaker | None = None, pool=None):
         super().__init__(config, metrics, breaker, pool)
         self.dir = ObjectDir(config.path, f"{self.name}.path")
-        self.dir.direct_writes = getattr(config, "direct_writes", False)  # a tier in memory (shm) has none
+        self.dir.direct_writes = config.direct_writes
         self.executor = PriorityExecutor(self.name, config.io_threads)
         self._aio_contexts = aio.ContextPool()  # reused by the loads' AIO drivers
         self._aio_ok = True  # false once the kernel refused this directory's AIO reads, or opens were too slow

@@ -72,13 +72,15 @@ class ShmConfig:
     touch_interval_s: float = opt(1.0, "minimum seconds between two recency stamps of one object", ge=0)
     io_threads: int = opt(4, "threads of this tier's I/O pool", ge=1)
     read_window_bytes: int = size_field(64 << 20, "bytes of reads in flight per load")
-    # What the directory tiers' reader expects of its config: tmpfs is read
-    # buffered (there is no device to bypass the page cache for).
+    # What the directory tiers' reader and writer expect of their config:
+    # tmpfs is read and written buffered (there is no device to bypass the
+    # page cache for).
     o_direct: bool = False
     aio: bool = False
     adaptive_reads: bool = False
     cold_reads: bool = False
     fsync: bool = False
+    direct_writes: bool = False
 
     def validate(self, prefix: str = "") -> None:
         if self.capacity <= 0:
