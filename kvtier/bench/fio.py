@@ -58,6 +58,18 @@ def huge_buffer_bytes(iodepth: int, block: str) -> int:
     return (-(-n // HUGE_PAGE_SIZE) + 1) * HUGE_PAGE_SIZE
 
 
+def huge_pages_short(depths, block: str = "1M") -> str:
+    """Why fio's O_DIRECT jobs at ``depths`` cannot run with their buffers
+    on huge pages here, or "" where they can: enough reserved huge pages
+    free for the deepest (the jobs run one at a time)."""
+    need = max((huge_buffer_bytes(d, block) for d in depths), default=0)
+    free = huge_pages_free()
+    if free >= need:
+        return ""
+    return (f"{free >> 20} MiB of reserved huge pages free, {need >> 20} MiB needed: "
+            f"sysctl vm.nr_hugepages={need // HUGE_PAGE_SIZE} (as root) adds them")
+
+
 def _block_bytes(block: str) -> int:
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
     b = block.strip().lower()

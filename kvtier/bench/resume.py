@@ -429,15 +429,16 @@ def _fio(store: Path, log) -> dict:
     O_DIRECT jobs also run with their buffers on huge pages, as kvtier's
     are, where the host reserved enough (on 4 KiB pages fio read a third
     slower here: docs/benchmarks.md, "fio's buffers")."""
-    from kvtier.bench.fio import (BUFFERED_STREAMS, FioMissing, fio_seq_read, fio_seq_read_run, huge_buffer_bytes,
-                                  huge_pages_free, remove_fio_file)
+    from kvtier.bench.fio import (BUFFERED_STREAMS, FioMissing, fio_seq_read, fio_seq_read_run, huge_pages_short,
+                                  remove_fio_file)
 
     try:
         used = sum(p.stat().st_size for p in store.rglob("*.kvc"))
         size = max(64 << 20, min(used, 1 << 30))
-        bws = {f"qd{d}": fio_seq_read(store, d, size) for d in (1, 8, 32)}
-        if huge_pages_free() >= huge_buffer_bytes(32, "1M"):
-            bws.update({f"qd{d}-huge": fio_seq_read_run(store, d, size, huge_pages=True).gbps for d in (1, 8, 32)})
+        depths = (1, 8, 32)
+        bws = {f"qd{d}": fio_seq_read(store, d, size) for d in depths}
+        if not huge_pages_short(depths):
+            bws.update({f"qd{d}-huge": fio_seq_read_run(store, d, size, huge_pages=True).gbps for d in depths})
         bws[f"buffered-128k-x{BUFFERED_STREAMS}"] = fio_seq_read(store, 1, size, block="128k", direct=False,
                                                                  jobs=BUFFERED_STREAMS)
         return {"gbps_by_job": bws, "best_gbps": max(bws.values()), "size_bytes": size}

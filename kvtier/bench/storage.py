@@ -42,8 +42,7 @@ from kvtier.codec import HEADER_BLOCK
 from kvtier.config import StoreConfig, TierSpec
 from kvtier.engine.store import TieredStore
 from kvtier.bench.burst import Burst, why_not as burst_why_not
-from kvtier.bench.fio import (BUFFERED_STREAMS, HUGE_PAGE_SIZE, fio_seq_read_run, huge_buffer_bytes, huge_pages_free,
-                              remove_fio_file)
+from kvtier.bench.fio import BUFFERED_STREAMS, fio_seq_read_run, huge_pages_short, remove_fio_file
 from kvtier.bench.storage_common import (
     GiB,
     MiB,
@@ -314,14 +313,10 @@ HUGE_SUFFIX = "-huge"  # fio's O_DIRECT jobs with their buffers on huge pages: "
 
 def _huge_jobs(depths) -> tuple[dict, str]:
     """fio's O_DIRECT jobs at ``depths`` with buffers on huge pages, where
-    the host has enough reserved huge pages free for the largest (one job
-    runs at a time); else none, and why (the report says how to add them)."""
-    need = max((huge_buffer_bytes(d, "1M") for d in depths), default=0)
-    free = huge_pages_free()
-    if not depths or free >= need:
-        return {f"qd{d}{HUGE_SUFFIX}": (d, "1M", True, 1, 0, True) for d in depths}, ""
-    return {}, (f"{free >> 20} MiB of reserved huge pages free, {need >> 20} MiB needed: "
-                f"sysctl vm.nr_hugepages={need // HUGE_PAGE_SIZE} (as root) adds them")
+    the host has enough reserved (``huge_pages_short``); else none, and why
+    (the report says how to add them)."""
+    why = huge_pages_short(depths)
+    return ({} if why else {f"qd{d}{HUGE_SUFFIX}": (d, "1M", True, 1, 0, True) for d in depths}), why
 
 
 def _idle_ms(trace: ReadTrace) -> dict | None:

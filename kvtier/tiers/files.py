@@ -431,7 +431,7 @@ class ObjectDir:
         """Publish ``obj`` atomically under ``key``'s name; with O_DIRECT
         (``direct_writes``) where its buffer allows (page-aligned, whole
         pages)."""
-        w = self.begin_write(direct=self.direct_writes and _direct_writable(obj.buf))
+        w = self.begin_write(direct=_direct_writable(obj.buf))
         try:
             w.fill(obj, fsync)
             w.publish(key)
@@ -450,7 +450,8 @@ class ObjectDir:
         """A temp file in ``tmp/``, ``size`` bytes long from the start (a
         caller that accounts for writes in flight counts them by their temp
         files' sizes). Fill it, then publish it under a key, or abort it.
-        ``direct``: opened with O_DIRECT, where this file system takes it."""
+        ``direct``: opened with O_DIRECT, where this directory writes so
+        (``direct_writes``) and its file system takes it."""
         tmp = f"{HOST}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
         tdir = self._open_dir(("tmp",), create=True)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW

@@ -383,11 +383,11 @@ def test_fios_huge_page_jobs_run_where_the_host_reserved_enough_and_are_held_apa
     assert fio.huge_pages_free(str(tmp_path / "none")) == 0
     assert fio.huge_buffer_bytes(32, "1M") == (16 + 1) << 21  # 32 MiB, and a page to align
     assert fio.huge_buffer_bytes(1, "128k") == 2 << 21
-    monkeypatch.setattr(storage, "huge_pages_free", lambda: 34 << 20)
+    monkeypatch.setattr(fio, "huge_pages_free", lambda: 34 << 20)
     jobs, why = storage._huge_jobs((1, 8, 32))
     assert set(jobs) == {"qd1-huge", "qd8-huge", "qd32-huge"} and why == ""
     assert jobs["qd32-huge"] == (32, "1M", True, 1, 0, True)
-    monkeypatch.setattr(storage, "huge_pages_free", lambda: 32 << 20)  # qd32 needs 34 MiB
+    monkeypatch.setattr(fio, "huge_pages_free", lambda: 32 << 20)  # qd32 needs 34 MiB
     jobs, why = storage._huge_jobs((1, 8, 32))
     assert jobs == {} and "32 MiB of reserved huge pages free, 34 MiB needed" in why
     assert "sysctl vm.nr_hugepages=17" in why
