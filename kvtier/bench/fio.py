@@ -109,9 +109,7 @@ def fio_seq_read_run(directory: Path, iodepth: int, size_bytes: int, block: str 
     layout of one file per object, with no kvtier code in the way.
     ``huge_pages``: fio's buffers on reserved huge pages (``HUGE_PAGE_SIZE``;
     ``huge_buffer_bytes`` of them must be free, ``huge_pages_free``)."""
-    exe = shutil.which("fio")
-    if exe is None:
-        raise FioMissing("fio is not installed: apt-get install fio (make demo/test install it)")
+    exe = _fio()
     directory.mkdir(parents=True, exist_ok=True)
     per_job = max(1 << 20, size_bytes // jobs)
     files: list[str] = []
@@ -139,14 +137,52 @@ def fio_seq_read_run(directory: Path, iodepth: int, size_bytes: int, block: str 
     # invalidation cannot drop pages still dirty from its lay-out, and a
     # buffered job would then read its own writes from memory.
     out = subprocess.run(cmd + ["--create_only=1"], capture_output=True, text=True, check=False)
-    if out.returncode == 0:
-        os.sync()
-        before = _children_cpu_s()
-        out = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        whole_run_cpu_s = _children_cpu_s() - before
     if out.returncode != 0:
         raise RuntimeError(f"fio failed ({out.returncode}): {out.stderr.strip()[:500]}")
-    # fio may print warnings before the JSON document.
+    os.sync()
+    return _measured(cmd)
+
+
+def fio_files_read(root: Path, block_bytes: int, iodepth: int, huge_pages: bool = False) -> FioRead:
+    """O_DIRECT reads of every file below ``root`` as it lies, nothing laid
+    out or written: kvtier's own object files, in requests of
+    ``block_bytes`` (the object size: one request per object, as kvtier
+    reads them), ``iodepth`` at once. The device's rate for the very bytes a
+    cold load reads, where the file system put them, with no kvtier code in
+    the way: on a disk whose speed differs by region or by the age of the
+    data, fio's own freshly laid-out files may lie elsewhere
+    (docs/benchmarks.md, "Where the bytes lie")."""
+    cmd = [
+        _fio(),
+        "--name=kvtier-objects",
+        f"--opendir={root}",
+        "--file_service_type=sequential",
+        "--rw=read",
+        f"--bs={block_bytes}",
+        "--direct=1",
+        "--ioengine=libaio",
+        f"--iodepth={iodepth}",
+        *(["--iomem=shmhuge", f"--hugepage-size={HUGE_PAGE_SIZE}"] if huge_pages else []),
+        "--output-format=json",
+    ]
+    return _measured(cmd)
+
+
+def _fio() -> str:
+    exe = shutil.which("fio")
+    if exe is None:
+        raise FioMissing("fio is not installed: apt-get install fio (make demo/test install it)")
+    return exe
+
+
+def _measured(cmd: list[str]) -> FioRead:
+    """Run one fio read job; its rate, bytes and CPU."""
+    before = _children_cpu_s()
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    whole_run_cpu_s = _children_cpu_s() - before
+    if out.returncode != 0:
+        raise RuntimeError(f"fio failed ({out.returncode}): {out.stderr.strip()[:500]}")
+    # fio may print warnings (and opendir's count of files) before the JSON document.
     doc = json.loads(out.stdout[out.stdout.index("{") :])
     job = doc["jobs"][0]
     read = job["read"]

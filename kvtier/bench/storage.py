@@ -7,7 +7,10 @@ In one run, on one directory:
 2. fio sequential reads: O_DIRECT at several queue depths, and buffered
    128 KiB reads with the kernel's readahead in up to 16 streams (one file
    each, laid out and synced first, page cache dropped); the
-   best of them is the storage limit;
+   best of them is the storage limit; and fio's O_DIRECT reads of kvtier's
+   own object files where they lie (hard links to the sessions' objects,
+   one request per object): the device's rate for the very bytes the cold
+   loads read;
 3. the device's own rate for loads of one session's size: each session's
    object files read all at once with O_DIRECT and native AIO, nothing
    checked (``burst``): the ceiling of a load that size, and the kernel's
@@ -33,6 +36,7 @@ page cache before each; the burst reads with O_DIRECT).
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -42,7 +46,7 @@ from kvtier.codec import HEADER_BLOCK
 from kvtier.config import StoreConfig, TierSpec
 from kvtier.engine.store import TieredStore
 from kvtier.bench.burst import Burst, why_not as burst_why_not
-from kvtier.bench.fio import BUFFERED_STREAMS, fio_seq_read_run, huge_pages_short, remove_fio_file
+from kvtier.bench.fio import BUFFERED_STREAMS, fio_files_read, fio_seq_read_run, huge_pages_short, remove_fio_file
 from kvtier.bench.storage_common import (
     GiB,
     MiB,
@@ -73,6 +77,10 @@ __all__ = ["GiB", "MiB", "READ_MODES", "StorageBenchConfig", "StorageBenchError"
 OBJECT_FILES_JOB = "buffered-128k-object-files"
 # The device reading one load's objects at once (bench/burst.py).
 BURST = "burst"
+# fio's O_DIRECT reads of kvtier's own object files where they lie, one
+# request per object, this many at once (a 2k session's objects).
+OWN_OBJECTS_JOB = "direct-own-objects"
+OWN_OBJECTS_DEPTH = 8
 # Read modes whose loads go through the AIO driver (their reads are traced).
 AIO_MODES = ("direct-aio", "direct-aio-lent", "direct-aio-lent-python", "direct-aio-4k")
 # fio's CPU per GB that kvtier's is held against: its cheapest job in the
@@ -210,7 +218,20 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
     burst = None if burst_skipped else Burst([[str(odir.path(k)) for k in keys] for keys in sessions],
                                              object_bytes, result["chunk_bytes"])
     burst_runs: list = []
-    tick = progress("fio + cold loads", cfg.repeats * (len(fio_jobs) + len(variants) * len(sessions)
+    # fio over kvtier's own object files, as they lie: the device's rate for
+    # the very bytes the cold loads read, where fio's freshly laid-out files
+    # may lie elsewhere (a disk's speed may differ by region or by the age
+    # of the data). Hard links in fio's folder give fio exactly the sessions'
+    # objects (one --opendir; a list of names is too long for fio).
+    own_dir = fio_dir / "kvtier-own-objects"
+    own_huge_short = huge_pages_short((OWN_OBJECTS_DEPTH,), str(object_bytes))
+    own_huge = not own_huge_short
+    own_skipped = "" if odir.direct_ok else "the file system refuses O_DIRECT"
+    if not own_skipped:
+        own_skipped = _link_objects([odir.path(k) for keys in sessions for k in keys], own_dir)
+    if not own_skipped:
+        fio_runs[OWN_OBJECTS_JOB], requests[OWN_OBJECTS_JOB] = [], []
+    tick = progress("fio + cold loads", cfg.repeats * (len(fio_runs) + len(variants) * len(sessions)
                                                        + (burst is not None)))
     try:
         # Each repeat runs every measurement, fio's and kvtier's, in the order
@@ -218,8 +239,10 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
         # repeat (a throttle's burst credit, writeback), no measurement always
         # runs in the same place.
         steps: list[tuple[str, object]] = [("fio", j) for j in fio_jobs] + [("cold", v) for v in stores]
+        if OWN_OBJECTS_JOB in fio_runs:
+            steps.insert(len(fio_jobs), ("own", OWN_OBJECTS_JOB))
         if burst is not None:
-            steps.insert(len(fio_jobs), ("burst", BURST))
+            steps.insert(len(fio_runs), ("burst", BURST))
         for rep in range(cfg.repeats):
             for kind, what in (steps if rep % 2 == 0 else steps[::-1]):
                 s0 = device.sample()
@@ -229,6 +252,9 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
                     depth, block, o_direct, n_streams, file_bytes, on_huge = fio_jobs[what]
                     fio_runs[what].append(fio_seq_read_run(fio_dir, depth, fio_size, block=block, direct=o_direct,
                                                            jobs=n_streams, file_bytes=file_bytes, huge_pages=on_huge))
+                    tick(1)
+                elif kind == "own":
+                    fio_runs[what].append(fio_files_read(own_dir, object_bytes, OWN_OBJECTS_DEPTH, own_huge))
                     tick(1)
                 elif kind == "burst":
                     burst_runs.append(burst.run())
@@ -251,13 +277,14 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
         aio_stopped = {v for v, s in stores.items() if v[1] in AIO_MODES and not s.tier("shared").reads_with_aio}
     finally:
         remove_fio_file(fio_dir)
+        shutil.rmtree(own_dir, ignore_errors=True)
         if burst is not None:
             burst.close()
         for st in stores.values():
             st.close()
     result["fio"] = {
-        j: {**summarize(runs), "read_mode": "direct" if fio_jobs[j][2] else "buffered",
-            "huge_pages": fio_jobs[j][5], "request_kib": _median_or_none(requests[j])}
+        j: {**summarize(runs), "read_mode": "direct" if j not in fio_jobs or fio_jobs[j][2] else "buffered",
+            "huge_pages": own_huge if j not in fio_jobs else fio_jobs[j][5], "request_kib": _median_or_none(requests[j])}
         for j, runs in fio_runs.items()
     }
     result["fio_streams"] = streams
@@ -296,6 +323,14 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
         files = result["fio"][OBJECT_FILES_JOB]["median_gbps"]
         result["object_files_vs_fio"] = files / result["fio_best_gbps"]
         result["cold_vs_object_files"] = result["cold_load_gbps"] / files
+    if OWN_OBJECTS_JOB in result["fio"]:
+        own = result["fio"][OWN_OBJECTS_JOB]["median_gbps"]
+        result["own_objects_vs_fio"] = own / result["fio_best_gbps"]
+        result["cold_vs_own_objects"] = result["cold_load_gbps"] / own
+        if own_huge_short:
+            result["own_objects_huge_skipped"] = own_huge_short
+    else:
+        result["own_objects_skipped"] = own_skipped
     result.update(_cpu_comparison(result))
 
     # 4. memory tier vs memcpy of the same bytes
@@ -317,6 +352,21 @@ def _huge_jobs(depths) -> tuple[dict, str]:
     (the report says how to add them)."""
     why = huge_pages_short(depths)
     return ({} if why else {f"qd{d}{HUGE_SUFFIX}": (d, "1M", True, 1, 0, True) for d in depths}), why
+
+
+def _link_objects(paths: list[Path], folder: Path) -> str:
+    """Hard-link ``paths`` into a fresh ``folder`` (the same inodes, so the
+    same blocks); "" once done, else why not (a file system without hard
+    links)."""
+    shutil.rmtree(folder, ignore_errors=True)
+    try:
+        folder.mkdir(parents=True)
+        for i, p in enumerate(paths):
+            os.link(p, folder / f"{i:06d}")
+    except OSError as exc:
+        shutil.rmtree(folder, ignore_errors=True)
+        return f"could not link the object files for fio: {exc.strerror or exc}"
+    return ""
 
 
 def _idle_ms(trace: ReadTrace) -> dict | None:
@@ -430,7 +480,9 @@ def format_table(r: dict) -> str:
         "-" * (width + 50),
     ]
     for job, v in r["fio"].items():
-        if job == OBJECT_FILES_JOB:
+        if job == OWN_OBJECTS_JOB:
+            what = f"fio O_DIRECT kvtier's own objects qd{OWN_OBJECTS_DEPTH}" + (", huge pages" if v["huge_pages"] else "")
+        elif job == OBJECT_FILES_JOB:
             what = f"fio same, files of {r['object_bytes'] / MiB:.2f}MiB"
         elif job.startswith("buffered"):
             what = f"fio seq read buffered 128KiB x{r.get('fio_streams', 1)}"
@@ -485,6 +537,16 @@ def format_table(r: dict) -> str:
             f"fio itself over files of kvtier's object size: {r['object_files_vs_fio']:.2f} x best fio "
             f"(the ceiling of one file per object); kvtier's cold load = {r['cold_vs_object_files']:.2f} x that"
         )
+    if "cold_vs_own_objects" in r:
+        lines.append(
+            f"fio reading kvtier's own object files where they lie (O_DIRECT, one request per object, "
+            f"{OWN_OBJECTS_DEPTH} at once): {r['own_objects_vs_fio']:.2f} x best fio (the device for these very "
+            f"bytes); kvtier's cold load = {r['cold_vs_own_objects']:.2f} x that"
+        )
+        if r.get("own_objects_huge_skipped"):
+            lines.append(f"  its buffers on 4 KiB pages ({r['own_objects_huge_skipped']})")
+    elif r.get("own_objects_skipped"):
+        lines.append(f"fio reading kvtier's own object files: not run ({r['own_objects_skipped']})")
     if "cold_vs_burst" in r:
         lines.append(
             f"the device reading one load's {r['session_chunks']} objects at once, nothing checked: "

@@ -49,7 +49,7 @@ def test_bench_storage_cli_writes_table_and_json(tmp_path):
     # fio's O_DIRECT jobs also with their buffers on huge pages, as kvtier's
     # are, where the host reserved them; else the report says how to add them.
     huge = {"qd1-huge", "qd8-huge"} if not r["fio_huge_skipped"] else set()
-    assert set(r["fio"]) == {"qd1", "qd8", "buffered-128k", "buffered-128k-object-files"} | huge
+    assert set(r["fio"]) == {"qd1", "qd8", "buffered-128k", "buffered-128k-object-files", "direct-own-objects"} | huge
     if huge:
         assert all(r["fio"][j]["huge_pages"] and r["fio"][j]["read_mode"] == "direct" for j in huge)
         assert "fio seq read O_DIRECT 1MiB qd8, huge pages" in proc.stdout
@@ -64,6 +64,15 @@ def test_bench_storage_cli_writes_table_and_json(tmp_path):
     assert r["object_files_vs_fio"] == pytest.approx(files / r["fio_best_gbps"])
     assert r["cold_vs_object_files"] == pytest.approx(r["cold_load_gbps"] / files)
     assert "fio same, files of 3.00MiB" in proc.stdout and "the ceiling of one file per object" in proc.stdout
+    # fio reading kvtier's own object files where they lie, one request per
+    # object: the device's rate for the very bytes the cold loads read.
+    own = r["fio"]["direct-own-objects"]
+    assert own["read_mode"] == "direct" and own["median_gbps"] > 0 and own["cpu_s_per_gb"] > 0
+    assert own["huge_pages"] == ("own_objects_huge_skipped" not in r)
+    assert r["own_objects_vs_fio"] == pytest.approx(own["median_gbps"] / r["fio_best_gbps"])
+    assert r["cold_vs_own_objects"] == pytest.approx(r["cold_load_gbps"] / own["median_gbps"])
+    assert "fio O_DIRECT kvtier's own objects qd8" in proc.stdout
+    assert "fio reading kvtier's own object files where they lie" in proc.stdout
     # Adaptive reads, and each path alone (O_DIRECT through AIO, the default;
     # buffered), each at every window: the operator sees which suits the storage.
     modes = ("auto", "direct-aio", "buffered", "direct-aio-4k", "direct-aio-lent", "direct-aio-lent-python")
@@ -166,8 +175,10 @@ def test_bench_storage_cli_writes_table_and_json(tmp_path):
     r = json.loads(out.read_text())
     assert set(r["cold"]) == {"8MiB direct-aio"}
     huge = {"qd1-huge"} if not r["fio_huge_skipped"] else set()
-    assert set(r["fio"]) == {"qd1", "buffered-128k", "buffered-128k-object-files"} | huge
+    assert set(r["fio"]) == {"qd1", "buffered-128k", "buffered-128k-object-files", "direct-own-objects"} | huge
     assert r["fio_best_gbps"] == max(v["median_gbps"] for v in r["fio"].values())
+    assert len(objs) == 16, "fio's links to the objects must be removed, the objects kept"
+    assert not list((tmp_path / "d" / "fio").iterdir())
 
 
 def test_device_reads_mean_request_size_and_where_there_is_no_device(tmp_path):
@@ -415,6 +426,34 @@ def test_fio_reads_with_its_buffers_on_huge_pages_where_they_are_free(tmp_path):
         with pytest.raises(RuntimeError, match="fio failed"):
             fio.fio_seq_read_run(tmp_path, 1, 8 << 20, huge_pages=True)
         assert storage._huge_jobs((1,))[0] == {}
+
+
+@needs_fio
+def test_fio_reads_kvtiers_own_files_whole_where_they_lie_and_leaves_them_as_they_were(tmp_path):
+    """fio's reference for the very bytes a cold load reads: every linked
+    object read whole, one request each, O_DIRECT; nothing written."""
+    size = (1 << 20) + 4096
+    objs = tmp_path / "objects"
+    objs.mkdir()
+    paths = []
+    for i in range(5):
+        p = objs / f"o{i}.kvc"
+        p.write_bytes(os.urandom(size))
+        paths.append(p)
+    before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in paths}
+    folder = tmp_path / "fio" / "links"
+    assert storage._link_objects(paths[1:], folder) == ""
+    assert sorted(x.name for x in folder.iterdir()) == ["000000", "000001", "000002", "000003"]
+    assert all(os.path.samefile(folder / f"{i:06d}", p) for i, p in enumerate(paths[1:]))
+    got = fio.fio_files_read(folder, size, 8)
+    assert got.nbytes == 4 * size and got.gbps > 0 and got.cpu_s > 0  # the four linked, not the fifth
+    assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in paths} == before
+    # Linked again into the same folder: a fresh one, with only these.
+    assert storage._link_objects(paths[:2], folder) == ""
+    assert len(list(folder.iterdir())) == 2
+    # A path that is not there: the job is skipped, and says why.
+    why = storage._link_objects([tmp_path / "missing"], folder)
+    assert why.startswith("could not link the object files for fio") and not folder.exists()
 
 
 def test_the_burst_reads_every_sessions_files_whole_or_says_why_not(tmp_path):
