@@ -149,8 +149,8 @@ def fio_files_read(root: Path, block_bytes: int, iodepth: int, huge_pages: bool 
     ``block_bytes`` (the object size: one request per object, as kvtier
     reads them), ``iodepth`` at once. The device's rate for the very bytes a
     cold load reads, where the file system put them, with no kvtier code in
-    the way: on a disk whose speed differs by region or by the age of the
-    data, fio's own freshly laid-out files may lie elsewhere
+    the way: on a disk whose speed differs by region, fio's own freshly
+    laid-out files may lie elsewhere
     (docs/benchmarks.md, "Where the bytes lie")."""
     cmd = [
         _fio(),
