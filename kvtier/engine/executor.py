@@ -122,6 +122,11 @@ class PriorityExecutor:
         with self._lock:
             return len(self._heap)
 
+    def on_worker(self) -> bool:
+        """Whether the calling thread is one of this executor's workers."""
+        with self._lock:
+            return threading.current_thread() in self._threads
+
     def _ensure_threads(self) -> None:
         # Called with the lock held.
         if self._pid != os.getpid():  # forked child: parent's threads do not exist here

@@ -134,9 +134,11 @@ class SharedTier(FileTier):
         """One collection pass (``Collector``). Safe to run from any number
         of instances; a dry run takes no lease, deletes and sweeps nothing.
         The stamps this instance's loads still owe are made first (at most
-        a few seconds' wait): recency is judged on them. Not with one I/O
-        thread: a pass running on it would wait for jobs queued behind it."""
-        self._owed.settle(_SETTLE_S if self.executor.workers > 1 else 0.0)
+        a few seconds' wait): recency is judged on them. Not by a pass on
+        the tier's only I/O thread (the background collector with
+        ``io_threads: 1``): the stamps are jobs queued behind it."""
+        alone = self.executor.workers == 1 and self.executor.on_worker()
+        self._owed.settle(0.0 if alone else _SETTLE_S)
 
         def scan() -> list[ObjectEntry]:
             entries = []

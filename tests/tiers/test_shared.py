@@ -375,6 +375,26 @@ def test_reads_stamp_objects_at_most_once_per_interval(open_shared):
     assert os.stat(tier.dir.path(c.keys[1])).st_mtime > stale + 100
 
 
+def test_a_collection_waits_for_owed_stamps_unless_it_runs_on_the_only_io_thread(open_shared):
+    """Recency is judged on the stamps loads still owe: a pass called from
+    any other thread waits for them, also where the tier has one I/O
+    thread (which makes them). Only a pass on that thread itself (the
+    background collector) cannot wait: the stamps are queued behind it."""
+    from kvtier.engine.executor import MAINTENANCE
+
+    tier = open_shared(io_threads=1)
+    tier._owed.add()
+    threading.Timer(0.3, tier._owed.done).start()
+    t0 = time.monotonic()
+    tier.gc()
+    assert time.monotonic() - t0 >= 0.25  # it waited for the stamp
+    tier._owed.add()  # made by nobody while the pass runs
+    t0 = time.monotonic()
+    tier.executor.submit(MAINTENANCE, tier.gc).result(10)
+    assert time.monotonic() - t0 < 2.0  # on the only I/O thread: no wait
+    tier._owed.done()
+
+
 @pytest.mark.parametrize("how", ["aio", "pool threads, O_DIRECT", "pool threads, buffered"])
 def test_a_load_stamps_objects_through_the_files_it_read_not_their_paths_again(open_shared, monkeypatch, how):
     """A load's stamp is one futimens on the file it has open, whichever
