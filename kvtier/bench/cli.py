@@ -70,7 +70,7 @@ def _storage_parser(bsub) -> None:
     bs.add_argument("--model", default="qwen2.5-0.5b", help="KV shape preset (default qwen2.5-0.5b: 24 layers, 2 KV heads, head dim 64, bf16)")
     bs.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk (default 256)")
     bs.add_argument("--session-chunks", type=int, default=32, help="chunks per load call, i.e. one resumed session (default 32 = 8k tokens)")
-    bs.add_argument("--windows", type=argtypes.sizes, default=(16 << 20, 32 << 20, 128 << 20), help="read windows to try, comma-separated (default 16MiB,32MiB,128MiB; the tiers' default is 128MiB)")
+    bs.add_argument("--windows", type=argtypes.sizes, default=(6 << 20, 16 << 20, 32 << 20, 128 << 20), help="read windows to try, comma-separated (default 6MiB,16MiB,32MiB,128MiB; the tiers' default is 128MiB; a load keeps two objects in flight however small its window)")
     bs.add_argument("--fio-depths", type=argtypes.ints, default=(1, 8, 32), help="fio queue depths (default 1,8,32)")
     bs.add_argument("--read-modes", type=_read_modes, default=("direct-aio-lent", "direct-aio", "buffered"),
                     help="kvtier read modes to measure, comma-separated: direct-aio-lent (the file tiers' default "

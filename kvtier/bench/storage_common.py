@@ -69,7 +69,7 @@ class StorageBenchConfig:
     model: ModelShape = field(default_factory=lambda: ModelShape("qwen2.5-0.5b", 24, 2, 64))
     chunk_tokens: int = 256
     session_chunks: int = 32
-    windows: tuple[int, ...] = (16 * MiB, 32 * MiB, 128 * MiB)
+    windows: tuple[int, ...] = (6 * MiB, 16 * MiB, 32 * MiB, 128 * MiB)
     fio_depths: tuple[int, ...] = (1, 8, 32)
     read_modes: tuple[str, ...] = READ_MODES
     repeats: int = 3
