@@ -70,7 +70,7 @@ def _storage_parser(bsub) -> None:
     bs.add_argument("--model", default="qwen2.5-0.5b", help="KV shape preset (default qwen2.5-0.5b: 24 layers, 2 KV heads, head dim 64, bf16)")
     bs.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk (default 256)")
     bs.add_argument("--session-chunks", type=int, default=32, help="chunks per load call, i.e. one resumed session (default 32 = 8k tokens)")
-    bs.add_argument("--windows", type=argtypes.sizes, default=(6 << 20, 16 << 20, 32 << 20, 128 << 20), help="read windows to try, comma-separated (default 6MiB,16MiB,32MiB,128MiB; the tiers' default is 128MiB; a load keeps two objects in flight however small its window)")
+    bs.add_argument("--windows", type=argtypes.sizes, default=None, help="read windows to try, comma-separated (default 6MiB,16MiB,32MiB,128MiB with --dir, 16MiB,32MiB,128MiB with --tier; the tiers' default is 128MiB; a load keeps two objects in flight however small its window)")
     bs.add_argument("--fio-depths", type=argtypes.ints, default=(1, 8, 32), help="fio queue depths (default 1,8,32)")
     bs.add_argument("--read-modes", type=_read_modes, default=("direct-aio-lent", "direct-aio", "buffered"),
                     help="kvtier read modes to measure, comma-separated: direct-aio-lent (the file tiers' default "
@@ -92,6 +92,7 @@ def _storage_parser(bsub) -> None:
 
 def cmd_bench_storage(args: argparse.Namespace) -> int:
     from kvtier.bench import storage
+    from kvtier.bench.storage_common import DIR_WINDOWS, TIER_WINDOWS
     from kvtier.bench.models import PRESETS
 
     if args.model not in PRESETS:
@@ -103,7 +104,7 @@ def cmd_bench_storage(args: argparse.Namespace) -> int:
         model=PRESETS[args.model],
         chunk_tokens=args.chunk_tokens,
         session_chunks=args.session_chunks,
-        windows=args.windows,
+        windows=args.windows or (TIER_WINDOWS if args.tier else DIR_WINDOWS),
         fio_depths=args.fio_depths,
         read_modes=args.read_modes,
         repeats=args.repeats,

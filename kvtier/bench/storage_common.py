@@ -61,6 +61,13 @@ class StorageBenchError(RuntimeError):
     message says which; the tier's log lines say why)."""
 
 
+# Read windows tried by default: on a directory, from two objects of the
+# default chunk up to the tiers' default (a window's CPU per GB differs at
+# one rate: docs/benchmarks.md); on a network tier, as before.
+DIR_WINDOWS = (6 * MiB, 16 * MiB, 32 * MiB, 128 * MiB)
+TIER_WINDOWS = (16 * MiB, 32 * MiB, 128 * MiB)
+
+
 @dataclass(frozen=True)
 class StorageBenchConfig:
     directory: Path | None = None  # a directory to measure (fio + the shared tier) ...
@@ -69,7 +76,7 @@ class StorageBenchConfig:
     model: ModelShape = field(default_factory=lambda: ModelShape("qwen2.5-0.5b", 24, 2, 64))
     chunk_tokens: int = 256
     session_chunks: int = 32
-    windows: tuple[int, ...] = (6 * MiB, 16 * MiB, 32 * MiB, 128 * MiB)
+    windows: tuple[int, ...] = DIR_WINDOWS
     fio_depths: tuple[int, ...] = (1, 8, 32)
     read_modes: tuple[str, ...] = READ_MODES
     repeats: int = 3

@@ -513,3 +513,25 @@ def test_the_burst_reads_every_sessions_files_whole_or_says_why_not(tmp_path):
             burst.run()
     finally:
         burst.close()
+
+
+def test_the_default_windows_start_at_two_objects_on_a_directory_and_stay_as_they_were_on_a_network_tier(
+        tmp_path, monkeypatch):
+    """On a directory a window of two objects is tried by default (its CPU
+    per GB differs from a deeper window's at one rate); a network tier keeps
+    the windows it was measured with; --windows overrides either."""
+    from kvtier import cli
+    from kvtier.bench.storage_common import DIR_WINDOWS, TIER_WINDOWS, StorageBenchError
+
+    seen = []
+
+    def run(cfg, progress):
+        seen.append(cfg.windows)
+        raise StorageBenchError("stopped by the test")
+
+    monkeypatch.setattr(storage, "run", run)
+    assert cli.main(["bench", "storage", "--dir", str(tmp_path), "--no-progress"]) == 1
+    assert cli.main(["bench", "storage", "--tier", "redis://127.0.0.1:1", "--no-progress"]) == 1
+    assert cli.main(["bench", "storage", "--dir", str(tmp_path), "--windows", "8MiB", "--no-progress"]) == 1
+    assert seen == [DIR_WINDOWS, TIER_WINDOWS, (8 << 20,)]
+    assert DIR_WINDOWS[0] == 6 << 20  # two 3 MiB objects of the default chunk
