@@ -420,9 +420,9 @@ def _cpu_comparison(r: dict) -> dict:
     fio's own accounting. The CPU of kvtier's fastest variant is kept too
     (``cold_best_cpu_s_per_gb``)."""
     at = _cheapest_at_speed(r["cold"], list(r["cold"]))
-    v = r["cold"][at]
-    kv = v["cpu_s_per_gb"]
-    ref = _cpu_reference(r["fio"], fio_mode(v["read_mode"]))
+    mode = fio_mode(r["cold"][at]["read_mode"])
+    kv = r["cold"][at]["cpu_s_per_gb"]
+    ref = _cpu_reference(r["fio"], mode)
     fio = r["fio"][ref]["cpu_s_per_gb"]
     out = {
         "cold_cpu_variant": at,
@@ -436,7 +436,7 @@ def _cpu_comparison(r: dict) -> dict:
         # Also against fio's jobs on its default buffers alone (what runs
         # without reserved huge pages, and every run before them).
         small = {j: v for j, v in r["fio"].items() if not v.get("huge_pages")}
-        ref4k = _cpu_reference(small, fio_mode(r["cold"][at]["read_mode"]))
+        ref4k = _cpu_reference(small, mode)
         fio4k = small[ref4k]["cpu_s_per_gb"]
         out.update({"fio_cpu_job_4k_pages": ref4k, "fio_cpu_s_per_gb_4k_pages": fio4k,
                     "cpu_vs_fio_4k_pages": kv / fio4k if fio4k > 0 else float("nan")})
