@@ -62,6 +62,19 @@ class Metrics:
             "A directory tier's moving average of its loads' read rate, per path (adaptive reads choose by it)",
             ["tier", "path"], registry=r,
         )
+        self.io_cpu = Counter(
+            f"{p}_io_cpu_seconds",
+            "CPU seconds a tier's I/O threads spent on its jobs (each thread's own clock), by kind: load (lookups, "
+            "reads and their verification), store (writes), delete, maintenance. With kvtier_read_bytes: CPU per "
+            "byte read; add kvtier_load_caller_cpu_seconds for a load's whole cost",
+            ["tier", "kind"], registry=r,
+        )
+        self.load_caller_cpu = Counter(
+            f"{p}_load_caller_cpu_seconds",
+            "CPU seconds the threads asking for loads spent inside them (taking each verified object off the tiers' "
+            "reads, copies out of the memory tier, promotion), not counting the consumer's own work between objects",
+            registry=r,
+        )
 
     def for_tier(self, tier: str) -> "TierMetrics":
         return TierMetrics(self, tier)
@@ -139,6 +152,11 @@ class TierMetrics:
         self._child(self.m.read_path_loads, path).inc()
         if rate is not None:
             self._child(self.m.read_path_rate, path).set(rate)
+
+    def job_cpu(self, kind: str, seconds: float) -> None:
+        """A job of the tier's executor ran (``kind``: load, store, delete
+        or maintenance) and its thread spent ``seconds`` of CPU on it."""
+        self._child(self.m.io_cpu, kind).inc(seconds)
 
     def load_driver(self, driver: str) -> None:
         self._child(self.m.load_drivers, driver).inc()

@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterable
 log = logging.getLogger(__name__)
 
 LOAD, DELETE, STORE, MAINTENANCE = 0, 1, 2, 3
+JOB_KINDS = ("load", "delete", "store", "maintenance")  # by priority: what ``on_cpu`` calls a job
 
 _placement_lock = threading.Lock()
 _io_cpus: frozenset[int] | None = None  # None: threads keep the affinity they inherit
@@ -95,7 +96,11 @@ def _start_placed() -> None:
 
 
 class PriorityExecutor:
-    def __init__(self, name: str, workers: int):
+    def __init__(self, name: str, workers: int, on_cpu: Callable[[str, float], None] | None = None):
+        """``on_cpu(kind, seconds)``, if given, is told after each job its
+        kind (``JOB_KINDS``, by priority) and the CPU its thread spent on it
+        (the thread's own clock: reads, checksums and system calls, not
+        time asleep)."""
         if workers <= 0:
             raise ValueError("workers must be positive")
         self.name = name
@@ -107,6 +112,7 @@ class PriorityExecutor:
         self._threads: list[threading.Thread] = []
         self._pid = os.getpid()
         self._closed = False
+        self._on_cpu = on_cpu
 
     def submit(self, priority: int, fn: Callable[..., Any], *args: Any) -> Future:
         fut: Future = Future()
@@ -144,13 +150,24 @@ class PriorityExecutor:
                     self._cv.wait()
                 if not self._heap:
                     return
-                _, _, fut, job = heapq.heappop(self._heap)
+                priority, _, fut, job = heapq.heappop(self._heap)
             if not fut.set_running_or_notify_cancel():
                 continue
+            t0 = time.thread_time() if self._on_cpu is not None else 0.0
             try:
-                fut.set_result(job())
+                result = job()
             except BaseException as exc:  # the future's owner reads and logs it
+                self._spent(priority, t0)
                 fut.set_exception(exc)
+            else:
+                # Counted before the future resolves: whoever waits on it
+                # then sees the job's CPU in the metrics.
+                self._spent(priority, t0)
+                fut.set_result(result)
+
+    def _spent(self, priority: int, t0: float) -> None:
+        if self._on_cpu is not None:
+            self._on_cpu(JOB_KINDS[priority], time.thread_time() - t0)
 
     def close(self, cancel_pending: bool = False, timeout: float | None = None) -> None:
         """Stop accepting work; run (or cancel) what is queued; join workers."""

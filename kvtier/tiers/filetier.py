@@ -115,7 +115,7 @@ class FileTier(PooledTier):
         super().__init__(config, metrics, breaker, pool)
         self.dir = ObjectDir(config.path, f"{self.name}.path")
         self.dir.direct_writes = config.direct_writes
-        self.executor = PriorityExecutor(self.name, config.io_threads)
+        self.executor = PriorityExecutor(self.name, config.io_threads, on_cpu=self.metrics.job_cpu)
         self._aio_contexts = aio.ContextPool()  # reused by the loads' AIO drivers
         self._aio_ok = True  # false once the kernel refused this directory's AIO reads, or opens were too slow
         self._slow_opens = 0  # AIO loads in a row whose driver spent most of its time opening files

@@ -184,7 +184,7 @@ class RedisTier(PooledTier):
     def __init__(self, config: RedisConfig, metrics=None, breaker=None, pool=None):
         super().__init__(config, metrics, breaker, pool)
         self.capacity = config.capacity
-        self.executor = PriorityExecutor(self.name, config.io_threads)
+        self.executor = PriorityExecutor(self.name, config.io_threads, on_cpu=self.metrics.job_cpu)
         tag = "{" + config.key_prefix + "idx}"
         self._lru, self._size, self._seq, self._used = (f"{tag}:{s}" for s in ("lru", "size", "seq", "used"))
         self._client_lock = threading.Lock()

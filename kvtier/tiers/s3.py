@@ -169,7 +169,7 @@ class S3Tier(PooledTier):
         self.bucket = config.bucket
         self.base = f"{config.prefix}/{LAYOUT_DIR}" if config.prefix else LAYOUT_DIR
         self.capacity = config.capacity
-        self.executor = PriorityExecutor(self.name, config.io_threads)
+        self.executor = PriorityExecutor(self.name, config.io_threads, on_cpu=self.metrics.job_cpu)
         self._lock = threading.Lock()
         self._client_obj: Any = None
         self._client_pid = -1

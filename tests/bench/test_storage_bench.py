@@ -137,6 +137,11 @@ def test_bench_storage_cli_writes_table_and_json(tmp_path):
     assert r["fio_cpu_s_per_gb"] == min(v["cpu_s_per_gb"] for v in same.values() if v["median_gbps"] >= 0.9 * fastest)
     assert r["cpu_vs_fio"] == pytest.approx(r["cold_cpu_s_per_gb"] / r["fio_cpu_s_per_gb"])
     assert "CPU per GB read (user + system): kvtier" in proc.stdout and "cores at 10 GB/s" in proc.stdout
+    # What kvtier's own metrics counted of it: a part of the process's CPU,
+    # never more (thread clocks are the process's, split by thread).
+    for label, v in r["cold"].items():
+        assert 0 < v["metrics_cpu_s_per_gb"] and 0 < v["metrics_cpu_share"] <= 1.01, (label, v["metrics_cpu_share"])
+    assert "kvtier's own metrics (kvtier_io_cpu_seconds{kind=\"load\"} + kvtier_load_caller_cpu_seconds" in proc.stdout
     assert f"({r['cold_cpu_variant']}: its cheapest variant within 10% of its fastest" in proc.stdout
     if r["cold_cpu_variant"] != r["cold_best_window"]:
         assert f"its fastest, {r['cold_best_window']}, " in proc.stdout

@@ -222,3 +222,32 @@ def test_threads_inherit_the_pin_of_the_thread_that_starts_them_unless_placed():
         executor.place_io_threads(None)
         inherited.close()
         placed.close()
+
+
+def _spin(seconds: float) -> None:
+    """Spend ``seconds`` of this thread's CPU."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_each_job_tells_its_kind_and_the_cpu_its_own_thread_spent():
+    seen: list[tuple[str, float]] = []
+    ex = PriorityExecutor("t", 1, on_cpu=lambda kind, s: seen.append((kind, s)))
+    try:
+        ex.submit(LOAD, _spin, 0.05).result(10)
+        assert seen[-1][0] == "load" and seen[-1][1] >= 0.05  # told before the future resolves
+        ex.submit(STORE, time.sleep, 0.2).result(10)
+        assert seen[-1][0] == "store" and seen[-1][1] < 0.05  # asleep is not CPU
+
+        def boom():
+            _spin(0.02)
+            raise OSError("gone")
+
+        with pytest.raises(OSError):
+            ex.submit(DELETE, boom).result(10)
+        assert seen[-1][0] == "delete" and seen[-1][1] >= 0.02  # a job that raised is counted too
+        ex.submit(MAINTENANCE, lambda: None).result(10)
+        assert [k for k, _ in seen] == ["load", "store", "delete", "maintenance"]
+    finally:
+        ex.close()

@@ -424,3 +424,58 @@ def test_stats_lists_every_tier_in_order(open_store):
     assert [(s.name, s.objects, s.used_bytes) for s in stats] == [
         ("memory", 2, 2 * OBJ), ("disk", 2, 2 * OBJ), ("shared", 2, 2 * OBJ)
     ]
+
+
+def test_a_load_counts_its_tiers_threads_cpu_and_its_callers_but_not_its_consumers(open_store, metrics):
+    """kvtier_io_cpu_seconds (a tier's threads, by job) and
+    kvtier_load_caller_cpu_seconds (the thread asking, inside the load):
+    together at most what the process spent, and the consumer's own work
+    between objects is not the load's."""
+    import resource
+
+    def process_cpu():
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+
+    store = open_store(tiers=("disk", "shared"))
+    c = make_chunks(8)
+    store.tier("shared").store(c.objs)
+    store.tier("shared").drop_cache()
+
+    def counted():
+        return (metrics.value("kvtier_io_cpu_seconds_total", tier="shared", kind="load"),
+                metrics.value("kvtier_load_caller_cpu_seconds_total"))
+
+    io0, caller0 = counted()
+    p0 = process_cpu()
+    n = 0
+    for obj in store.fetch(c.keys, promote=False):
+        assert_object(obj, c.keys[n])
+        n += 1
+        _spin_cpu(0.05)  # the consumer's work: 0.4 s in all
+    p1 = process_cpu()
+    io1, caller1 = counted()
+    assert n == 8
+    assert io1 > io0 and caller1 > caller0
+    assert caller1 - caller0 < 0.2, "the consumer's CPU between objects was counted as the load's"
+    assert (io1 - io0) + (caller1 - caller0) <= (p1 - p0) - 0.4 + 0.02  # clocks tick in steps: a little slack
+
+    # A consumer that stops at the first object still counts what the load spent.
+    it = store.fetch(c.keys, promote=False)
+    next(it)
+    it.close()
+    assert metrics.value("kvtier_load_caller_cpu_seconds_total") > caller1
+
+    # ``load`` (run through on the caller's thread) counts it once, and the
+    # tier's threads theirs.
+    caller2 = metrics.value("kvtier_load_caller_cpu_seconds_total")
+    store.tier("shared").drop_cache()
+    assert _load(store, c.keys) == c.payloads
+    assert metrics.value("kvtier_load_caller_cpu_seconds_total") > caller2
+    assert counted()[0] > io1
+
+
+def _spin_cpu(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass

@@ -209,6 +209,7 @@ def test_reads_after_a_restart_need_no_failure_first(server, metrics):
         c = make_chunks(6)
         assert tier.store(c.objs) == 6
         assert fetched(tier, c.keys) == 6  # read connections now idle in the pool
+        assert metrics.value("kvtier_io_cpu_seconds_total", tier="redis", kind="load") > 0  # its threads' CPU
         server.stop()
         server.start()  # the data is gone with the old process
         assert tier.store(c.objs) == 6

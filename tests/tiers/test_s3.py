@@ -101,6 +101,7 @@ def test_a_damaged_object_is_a_miss_counted_and_deleted(damage):
         client.put_object(Bucket=BUCKET, Key=name, Body=bad)
         assert consume(tier, c.keys) == 2
         assert metrics.value("kvtier_integrity_failures_total", tier=tier.name) == 1
+        assert metrics.value("kvtier_io_cpu_seconds_total", tier=tier.name, kind="load") > 0  # its threads' CPU
         with pytest.raises(client.exceptions.ClientError):
             client.head_object(Bucket=BUCKET, Key=name)  # deleted
         assert tier.lookup(c.keys) == 2

@@ -249,6 +249,10 @@ def test_two_servers_resume_each_others_sessions_and_kvtier_serve_stops_cleanly(
             assert summ["kvtier_hit_tokens_by_tier"].get("shared", 0) >= HIT * len(moved) > 0, where
             if k == 1:
                 assert set(summ["kvtier_hit_tokens_by_tier"]) == {"shared"}, where
+                # What those loads cost in CPU, scraped as an operator would
+                # (docs/metrics.md): the tier's threads and the loading thread.
+                assert srv["metrics"].get("kvtier_io_cpu_seconds_total{kind=load,tier=shared}", 0) > 0, where
+                assert srv["metrics"].get("kvtier_load_caller_cpu_seconds_total", 0) > 0, where
         warm_phase = result["phases"][0]
         for srv in warm_phase["servers"]:
             assert srv["summary"]["kvtier_hit_tokens_by_tier"] == {}, srv
