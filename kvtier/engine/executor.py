@@ -166,8 +166,13 @@ class PriorityExecutor:
                 fut.set_result(result)
 
     def _spent(self, priority: int, t0: float) -> None:
-        if self._on_cpu is not None:
-            self._on_cpu(JOB_KINDS[priority], time.thread_time() - t0)
+        if self._on_cpu is None:
+            return
+        kind = JOB_KINDS[priority] if 0 <= priority < len(JOB_KINDS) else str(priority)
+        try:
+            self._on_cpu(kind, max(0.0, time.thread_time() - t0))
+        except Exception:  # accounting never keeps a job's future from resolving
+            log.exception("executor %s: counting a job's CPU failed", self.name)
 
     def close(self, cancel_pending: bool = False, timeout: float | None = None) -> None:
         """Stop accepting work; run (or cancel) what is queued; join workers."""

@@ -251,3 +251,17 @@ def test_each_job_tells_its_kind_and_the_cpu_its_own_thread_spent():
         assert [k for k, _ in seen] == ["load", "store", "delete", "maintenance"]
     finally:
         ex.close()
+
+
+def test_a_failing_cpu_count_never_keeps_a_job_from_resolving(caplog):
+    def broken(kind, seconds):
+        raise RuntimeError("metrics backend gone")
+
+    ex = PriorityExecutor("t", 1, on_cpu=broken)
+    try:
+        assert ex.submit(LOAD, lambda: 7).result(10) == 7
+        with pytest.raises(OSError):
+            ex.submit(STORE, lambda: (_ for _ in ()).throw(OSError("gone"))).result(10)
+        assert "counting a job's CPU failed" in caplog.text
+    finally:
+        ex.close()
