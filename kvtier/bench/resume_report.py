@@ -78,6 +78,11 @@ def _figures(runs: list[dict]) -> dict:
         for k, v in r["vllm_metrics"].items():
             vm[k] = vm.get(k, 0) + v
     loads = m.get("kvtier_vllm_load_seconds_count", 0)
+    read_bytes = sum(v for k, v in m.items() if k.startswith("kvtier_read_bytes_total"))
+    # What kvtier's reads cost in CPU (its tiers' threads on load jobs and
+    # the loading thread inside its loads: docs/metrics.md), per GB read.
+    read_cpu = m.get("kvtier_load_caller_cpu_seconds_total", 0.0) + sum(
+        v for k, v in m.items() if k.startswith("kvtier_io_cpu_seconds_total{") and "kind=load" in k)
     prompt = sum(rec["prompt_tokens"] for rec in recs)
     cached = sum(rec["cached_tokens"] for rec in recs)
     return {
@@ -92,7 +97,8 @@ def _figures(runs: list[dict]) -> dict:
         "cached_fraction": cached / prompt if prompt else 0.0,
         "hit_tokens": _tier_hits(m),
         "vllm_external_prefix_cache_hits": vm.get("vllm:external_prefix_cache_hits", 0.0),
-        "kvtier_read_bytes": sum(v for k, v in m.items() if k.startswith("kvtier_read_bytes_total")),
+        "kvtier_read_bytes": read_bytes,
+        "kvtier_read_cpu_s_per_gb": read_cpu / (read_bytes / 1e9) if read_bytes else None,
         "kvtier_written_bytes": sum(v for k, v in m.items() if k.startswith("kvtier_written_bytes_total")),
         "kvtier_load_s_mean": m.get("kvtier_vllm_load_seconds_sum", 0.0) / loads if loads else None,
         "kvtier_lookup_s_mean": (m.get("kvtier_vllm_lookup_seconds_sum", 0.0) / m["kvtier_vllm_lookup_seconds_count"]
@@ -282,13 +288,16 @@ def format_table(s: dict) -> str:
         # The load, three ways: over a memory hit (reads included), over the
         # floor (the bar's: reads at fio's speed excluded), and kvtier's own
         # reads (its load-seconds metric, mean).
-        lines += ["", "load time (TTFT p50 minus the memory tier's; minus the floor; kvtier's reads alone):"]
+        lines += ["", "load time (TTFT p50 minus the memory tier's; minus the floor; kvtier's reads alone, "
+                      "and their CPU per GB read):"]
         for case, name, v in loads:
             own = v.get("kvtier_load_s_mean")
             over = v.get("over_floor_s")
+            cpu = v.get("kvtier_read_cpu_s_per_gb")
             lines.append(f"  {case:>8} {name:<18} {_ms(v['load_s'])}"
                          + (f"   over floor {_ms(over)}" if over is not None else "")
-                         + (f"   reads {own * 1000:.1f} ms" if own is not None else ""))
+                         + (f"   reads {own * 1000:.1f} ms" if own is not None else "")
+                         + (f", CPU {cpu:.3f} s/GB" if cpu is not None else ""))
         strict = [(case, r["load_incl_reads_vs_example"]) for case, r in s["ratios"].items()
                   if r.get("load_incl_reads_vs_example") is not None]
         if strict:

@@ -50,6 +50,10 @@ def test_bench_resume_w1_smoke(tmp_path):
         assert by[name]["cached_tokens_p50"] == 384, name  # whole blocks of 512, one token left to compute
         assert by[name]["hit_tokens"] == {tier: 6 * 384}, name
         assert by[name]["vllm_external_prefix_cache_hits"] == 6 * 384, name
+        # What those reads cost in CPU, from kvtier's own metrics in the engine's processes.
+        assert by[name]["kvtier_read_cpu_s_per_gb"] > 0, name
+    assert by["recompute"]["kvtier_read_cpu_s_per_gb"] is None  # nothing read
+    assert ", CPU " in run["stdout"] and " s/GB" in run["stdout"]
     assert by["example"]["cached_tokens_p50"] > 0
     # The floor and the ratios against it come from this run's own fio and memory-tier figures.
     assert s["fio"]["512"]["best_gbps"] > 0
