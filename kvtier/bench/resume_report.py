@@ -81,8 +81,9 @@ def _figures(runs: list[dict]) -> dict:
     read_bytes = sum(v for k, v in m.items() if k.startswith("kvtier_read_bytes_total"))
     # What kvtier's reads cost in CPU (its tiers' threads on load jobs and
     # the loading thread inside its loads: docs/metrics.md), per GB read.
-    read_cpu = m.get("kvtier_load_caller_cpu_seconds_total", 0.0) + sum(
-        v for k, v in m.items() if k.startswith("kvtier_io_cpu_seconds_total{") and "kind=load" in k)
+    caller_cpu = m.get("kvtier_load_caller_cpu_seconds_total", 0.0)
+    tiers_cpu = sum(v for k, v in m.items() if k.startswith("kvtier_io_cpu_seconds_total{") and "kind=load" in k)
+    read_cpu = caller_cpu + tiers_cpu
     prompt = sum(rec["prompt_tokens"] for rec in recs)
     cached = sum(rec["cached_tokens"] for rec in recs)
     return {
@@ -99,6 +100,8 @@ def _figures(runs: list[dict]) -> dict:
         "vllm_external_prefix_cache_hits": vm.get("vllm:external_prefix_cache_hits", 0.0),
         "kvtier_read_bytes": read_bytes,
         "kvtier_read_cpu_s_per_gb": read_cpu / (read_bytes / 1e9) if read_bytes else None,
+        # Its two parts, in seconds: the tiers' own threads, the loading threads.
+        "kvtier_read_cpu_s": {"tier_threads": tiers_cpu, "loading_threads": caller_cpu},
         "kvtier_written_bytes": sum(v for k, v in m.items() if k.startswith("kvtier_written_bytes_total")),
         "kvtier_load_s_mean": m.get("kvtier_vllm_load_seconds_sum", 0.0) / loads if loads else None,
         "kvtier_lookup_s_mean": (m.get("kvtier_vllm_lookup_seconds_sum", 0.0) / m["kvtier_vllm_lookup_seconds_count"]

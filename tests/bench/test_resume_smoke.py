@@ -52,6 +52,9 @@ def test_bench_resume_w1_smoke(tmp_path):
         assert by[name]["vllm_external_prefix_cache_hits"] == 6 * 384, name
         # What those reads cost in CPU, from kvtier's own metrics in the engine's processes.
         assert by[name]["kvtier_read_cpu_s_per_gb"] > 0, name
+        assert by[name]["kvtier_read_cpu_s"]["loading_threads"] > 0, name
+        if name != "kvtier-memory":  # a directory tier's own threads read and check
+            assert by[name]["kvtier_read_cpu_s"]["tier_threads"] > 0, name
     assert by["recompute"]["kvtier_read_cpu_s_per_gb"] is None  # nothing read
     assert ", CPU " in run["stdout"] and " s/GB" in run["stdout"]
     assert by["example"]["cached_tokens_p50"] > 0
