@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -175,3 +176,10 @@ class WriteGate:
 
     def open(self) -> None:
         self._event.set()
+
+
+def spin_cpu(seconds: float) -> None:
+    """Spend ``seconds`` of the calling thread's CPU (its own clock)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass

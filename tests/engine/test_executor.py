@@ -9,6 +9,7 @@ import time
 import pytest
 
 from kvtier.engine.executor import DELETE, LOAD, MAINTENANCE, STORE, ByteWindow, PriorityExecutor
+from tests.support import spin_cpu
 
 
 @pytest.fixture
@@ -224,24 +225,17 @@ def test_threads_inherit_the_pin_of_the_thread_that_starts_them_unless_placed():
         placed.close()
 
 
-def _spin(seconds: float) -> None:
-    """Spend ``seconds`` of this thread's CPU."""
-    end = time.thread_time() + seconds
-    while time.thread_time() < end:
-        pass
-
-
 def test_each_job_tells_its_kind_and_the_cpu_its_own_thread_spent():
     seen: list[tuple[str, float]] = []
     ex = PriorityExecutor("t", 1, on_cpu=lambda kind, s: seen.append((kind, s)))
     try:
-        ex.submit(LOAD, _spin, 0.05).result(10)
+        ex.submit(LOAD, spin_cpu, 0.05).result(10)
         assert seen[-1][0] == "load" and seen[-1][1] >= 0.05  # told before the future resolves
         ex.submit(STORE, time.sleep, 0.2).result(10)
         assert seen[-1][0] == "store" and seen[-1][1] < 0.05  # asleep is not CPU
 
         def boom():
-            _spin(0.02)
+            spin_cpu(0.02)
             raise OSError("gone")
 
         with pytest.raises(OSError):

@@ -24,6 +24,7 @@ from tests.support import (
     make_chunks,
     payload_for,
     shared_config,
+    spin_cpu,
 )
 
 
@@ -452,7 +453,7 @@ def test_a_load_counts_its_tiers_threads_cpu_and_its_callers_but_not_its_consume
     for obj in store.fetch(c.keys, promote=False):
         assert_object(obj, c.keys[n])
         n += 1
-        _spin_cpu(0.05)  # the consumer's work: 0.4 s in all
+        spin_cpu(0.05)  # the consumer's work: 0.4 s in all
     p1 = process_cpu()
     io1, caller1 = counted()
     assert n == 8
@@ -473,9 +474,3 @@ def test_a_load_counts_its_tiers_threads_cpu_and_its_callers_but_not_its_consume
     assert _load(store, c.keys) == c.payloads
     assert metrics.value("kvtier_load_caller_cpu_seconds_total") > caller2
     assert counted()[0] > io1
-
-
-def _spin_cpu(seconds: float) -> None:
-    end = time.thread_time() + seconds
-    while time.thread_time() < end:
-        pass
