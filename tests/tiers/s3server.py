@@ -98,6 +98,11 @@ class S3Server:
             f"-filer.localSocket={self.root / 'filer.sock'}",
             f"-s3.localSocket={self.root / 's3.sock'}",
             "-master.volumeSizeLimitMB=64", "-volume.max=0", "-volume.preStopSeconds=0",
+            # SeaweedFS makes every volume read-only below 1 % of the disk free
+            # by default (2.5 GB of a 250 GB disk): each write then fails with
+            # InternalError. The tests write megabytes; an absolute floor keeps
+            # them from failing on a large disk that is merely nearly full.
+            "-volume.minFreeSpace=256MiB",
             "-master.telemetry=false", "-master.electionTimeout=1s",
             "-filer.saveToFilerLimit=65536",  # small test objects live in the filer store: one hop less per GET
         ]
