@@ -82,7 +82,7 @@ def _figures(runs: list[dict]) -> dict:
     # What kvtier's reads cost in CPU (its tiers' threads on load jobs and
     # the loading thread inside its loads: docs/metrics.md), per GB read.
     caller_cpu = m.get("kvtier_load_caller_cpu_seconds_total", 0.0)
-    tiers_cpu = sum(v for k, v in m.items() if k.startswith("kvtier_io_cpu_seconds_total{") and "kind=load" in k)
+    tiers_cpu = by_label(m, "kvtier_io_cpu_seconds_total", "kind").get("load", 0.0)
     read_cpu = caller_cpu + tiers_cpu
     prompt = sum(rec["prompt_tokens"] for rec in recs)
     cached = sum(rec["cached_tokens"] for rec in recs)
