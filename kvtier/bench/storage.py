@@ -15,20 +15,24 @@ In one run, on one directory:
    object files read all at once with O_DIRECT and native AIO, nothing
    checked (``burst``): the ceiling of a load that size, and the kernel's
    part of its CPU;
-4. kvtier cold loads (page cache dropped, parallel within a byte window) at
+4. the native read loop alone (``loopalone``) at each read window: each
+   session's objects opened, read with O_DIRECT and verified by kvtier's
+   native loop with no store around it: what a verified read costs
+   without the store's bookkeeping;
+5. kvtier cold loads (page cache dropped, parallel within a byte window) at
    several window sizes and in several read modes (O_DIRECT into buffers the
    store lends, read and verified in place; O_DIRECT and buffered into the
    caller's own buffers, copied into), through ``TieredStore.load`` as an
    engine would call it (lookup, verified reads);
-5. kvtier memory-tier loads against a plain memcpy of the same bytes.
+6. kvtier memory-tier loads against a plain memcpy of the same bytes.
 
 Beside each fio job and cold load, the mean size of the read requests the
 block device completed meanwhile (Linux's ``/sys/dev/block/M:m/stat``):
 whether reads reached the device whole or cut into pieces.
 
 Every figure is the median of ``repeats`` runs; ratios compare medians of the
-same run. Steps 2-4 are interleaved: each repeat runs every fio job, the
-burst and every cold load once, in the reverse order of the repeat before.
+same run. Steps 2-5 are interleaved: each repeat runs every fio job, the
+burst, the loop alone and every cold load once, in the reverse order of the repeat before.
 Nothing is cached between runs of step 4 (the files are dropped from the
 page cache before each; the burst reads with O_DIRECT).
 """
@@ -46,6 +50,7 @@ from kvtier.codec import HEADER_BLOCK
 from kvtier.config import StoreConfig, TierSpec
 from kvtier.engine.store import TieredStore
 from kvtier.bench.burst import Burst, why_not as burst_why_not
+from kvtier.bench.loopalone import LoopAlone, why_not as loop_why_not
 from kvtier.bench.fio import BUFFERED_STREAMS, fio_files_read, fio_seq_read_run, huge_pages_short, remove_fio_file
 from kvtier.bench.storage_common import (
     GiB,
@@ -77,6 +82,8 @@ __all__ = ["GiB", "MiB", "READ_MODES", "StorageBenchConfig", "StorageBenchError"
 OBJECT_FILES_JOB = "buffered-128k-object-files"
 # The device reading one load's objects at once (bench/burst.py).
 BURST = "burst"
+# The native read loop alone at a window (bench/loopalone.py): ("loop", window).
+LOOP = "loop"
 # fio's O_DIRECT reads of kvtier's own object files where they lie, one
 # request per object, this many at once (a 2k session's objects).
 OWN_OBJECTS_JOB = "direct-own-objects"
@@ -219,6 +226,14 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
     burst = None if burst_skipped else Burst([[str(odir.path(k)) for k in keys] for keys in sessions],
                                              object_bytes, result["chunk_bytes"])
     burst_runs: list = []
+    # The native read loop with no store around it, at each window
+    # (bench/loopalone.py): the verified read without the store's bookkeeping.
+    loop_skipped = loop_why_not() or ("" if odir.direct_ok else "the file system refuses O_DIRECT")
+    loop = None if loop_skipped else LoopAlone(odir.base, [[odir.rel_path(k) for k in keys] for keys in sessions],
+                                               object_bytes, result["chunk_bytes"])
+    loop_runs: dict[int, list] = {w: [] for w in cfg.windows} if loop is not None else {}
+    for w in loop_runs:
+        requests[LOOP, w] = []
     # fio over kvtier's own object files, as they lie: the device's rate for
     # the very bytes the cold loads read, where fio's freshly laid-out files
     # may lie elsewhere (a disk's speed may differ by region, as this
@@ -233,7 +248,7 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
     if not own_skipped:
         fio_runs[OWN_OBJECTS_JOB], requests[OWN_OBJECTS_JOB] = [], []
     tick = progress("fio + cold loads", cfg.repeats * (len(fio_runs) + len(variants) * len(sessions)
-                                                       + (burst is not None)))
+                                                       + (burst is not None) + len(loop_runs)))
     try:
         # Each repeat runs every measurement, fio's and kvtier's, in the order
         # of the one before reversed: on a disk whose speed drifts within a
@@ -244,6 +259,8 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
             steps.insert(len(fio_jobs), ("own", OWN_OBJECTS_JOB))
         if burst is not None:
             steps.insert(len(fio_runs), ("burst", BURST))
+        at = len(fio_runs) + (burst is not None)
+        steps[at:at] = [(LOOP, (LOOP, w)) for w in loop_runs]
         for rep in range(cfg.repeats):
             for kind, what in (steps if rep % 2 == 0 else steps[::-1]):
                 s0 = device.sample()
@@ -259,6 +276,9 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
                     tick(1)
                 elif kind == "burst":
                     burst_runs.append(burst.run())
+                    tick(1)
+                elif kind == LOOP:
+                    loop_runs[what[1]].append(loop.run(what[1]))
                     tick(1)
                 else:
                     stores[what].tier("shared").drop_cache()
@@ -286,6 +306,8 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
         shutil.rmtree(own_dir, ignore_errors=True)
         if burst is not None:
             burst.close()
+        if loop is not None:
+            loop.close()
         for st in stores.values():
             st.close()
     # Each job's (O_DIRECT, buffers on huge pages): fio's configured jobs,
@@ -331,6 +353,12 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
         result["cold_vs_burst"] = result["cold_load_gbps"] / result["burst"]["median_gbps"]
     else:
         result["burst_skipped"] = burst_skipped
+    if loop_runs:
+        result["loop_alone"] = {f"{w // MiB}MiB": {**summarize(runs), "window_bytes": w,
+                                                   "request_kib": _median_or_none(requests[LOOP, w])}
+                                for w, runs in loop_runs.items()}
+    else:
+        result["loop_alone_skipped"] = loop_skipped
     if OBJECT_FILES_JOB in result["fio"]:
         files = result["fio"][OBJECT_FILES_JOB]["median_gbps"]
         result["object_files_vs_fio"] = files / result["fio_best_gbps"]
@@ -344,6 +372,7 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
     else:
         result["own_objects_skipped"] = own_skipped
     result.update(_cpu_comparison(result))
+    result.update(_store_cost(result))
 
     # 4. memory tier vs memcpy of the same bytes
     lower = _shared_spec(store_dir, capacity, 64 * MiB, cfg.io_threads)
@@ -408,6 +437,27 @@ def _cpu_floor(r: dict) -> dict:
         "cpu_floor_copies": copies,
         "cpu_machinery_s_per_gb": rest,
         "machinery_vs_fio": rest / fio if fio > 0 else float("nan"),
+    }
+
+
+def _store_cost(r: dict) -> dict:
+    """kvtier's cold load (the variant ``_cpu_comparison`` picks) against
+    the native read loop alone at the same window, on the same objects in
+    the same run: what the store's own bookkeeping adds to a verified read
+    (its plan, its read stream, each object's header, latency, recency
+    stamp and lent buffer, the hand-off of the loop to a pool thread).
+    Only where that variant's loads ran the native loop into lent buffers:
+    other read modes are other machinery."""
+    chosen = r["cold"][r["cold_cpu_variant"]]
+    alone = r.get("loop_alone", {}).get(f"{chosen['window_bytes'] // MiB}MiB")
+    if alone is None or chosen["read_mode"] not in LENT_MODES or not chosen["loads_by_driver"].get("native"):
+        return {}
+    kv, loop = r["cold_cpu_s_per_gb"], alone["cpu_s_per_gb"]
+    return {
+        "loop_alone_cpu_s_per_gb": loop,
+        "loop_alone_cpu_vs_fio": loop / r["fio_cpu_s_per_gb"] if r["fio_cpu_s_per_gb"] > 0 else float("nan"),
+        "store_cpu_s_per_gb": max(0.0, kv - loop),
+        "store_cpu_share": max(0.0, kv - loop) / kv if kv > 0 else float("nan"),
     }
 
 
@@ -524,6 +574,10 @@ def format_table(r: dict) -> str:
         lines.append(f"{'device, one load at once, no checks':<{width}}{v['median_gbps']:>8.2f}  "
                      f"{v['median_gbps'] / fio_best:>12.2f} x fio  {v['cpu_s_per_gb']:>9.3f}  "
                      f"{_kib(v.get('request_kib'))}")
+    for w, v in r.get("loop_alone", {}).items():
+        lines.append(f"{'native read loop alone, window ' + w:<{width}}{v['median_gbps']:>8.2f}  "
+                     f"{v['median_gbps'] / fio_best:>12.2f} x fio  {v['cpu_s_per_gb']:>9.3f}  "
+                     f"{_kib(v.get('request_kib'))}")
     for w, v in r["cold"].items():
         mark = " *" if w == r["cold_best_window"] else ""
         lines.append(f"{'kvtier cold load, window ' + w:<{width}}{v['median_gbps']:>8.2f}  "
@@ -621,4 +675,14 @@ def format_table(r: dict) -> str:
             f"+ XXH3 {r['checksum_cpu_s_per_gb']:.3f} s = {floor:.3f} s = {floor / r['fio_cpu_s_per_gb']:.2f} x fio; "
             f"kvtier spends {max(0.0, kv - floor):.3f} s more"
         )
+    if "store_cpu_s_per_gb" in r:
+        w = r["cold"][r["cold_cpu_variant"]]["window_bytes"] // MiB
+        lines.append(
+            f"  the native read loop alone at the same window ({w}MiB: open, read, verify; no store around it) "
+            f"{r['loop_alone_cpu_s_per_gb']:.3f} s = {r['loop_alone_cpu_vs_fio']:.2f} x fio; the store's bookkeeping "
+            f"around it (plan, read stream, each object's header, latency, recency stamp and lent buffer, the "
+            f"hand-off to a pool thread) {r['store_cpu_s_per_gb']:.3f} s, {r['store_cpu_share']:.0%} of kvtier's"
+        )
+    elif r.get("loop_alone_skipped"):
+        lines.append(f"  the native read loop alone: not measured ({r['loop_alone_skipped']})")
     return "\n".join(lines)

@@ -97,6 +97,17 @@ def available() -> bool:
     return True
 
 
+def new_load(paths: Sequence[bytes], sizes: Sequence[int], ctx, window_bytes: int, piece_bytes: int = _PIECE,
+             trace: bool = False, expect: list | None = None):
+    """One native read loop's load (``_readloop.Load``) of ``paths`` below a
+    folder, objects of ``sizes`` bytes, on AIO context ``ctx``, with the
+    loop's pacing (taper, two objects in flight at least, how often it
+    looks whether its consumer stopped) as every load has it: what
+    ``NativeStream`` drives, and what ``kvtier bench storage`` times alone."""
+    return _readloop.Load(list(paths), list(sizes), ctx.id, ctx.depth, window_bytes, _TAPER, MIN_INFLIGHT,
+                          piece_bytes, _POLL_S, trace, expect)
+
+
 class NativeStream:
     """Reads ``keys`` (``paths``: their objects' paths below the store's
     folder, as bytes, whose descriptor ``base()`` opens on the loop's
@@ -168,9 +179,7 @@ class NativeStream:
         self._load = None  # made below (it takes the AIO context)
         self._ctx = contexts.take()
         try:
-            self._load = _readloop.Load(list(paths), list(sizes), self._ctx.id, self._ctx.depth,
-                                        window_bytes, _TAPER, MIN_INFLIGHT, piece_bytes, _POLL_S, trace is not None,
-                                        expect)
+            self._load = new_load(paths, sizes, self._ctx, window_bytes, piece_bytes, trace is not None, expect)
             # Buffers ahead of the consumer: what the window holds, plus two.
             per = max(1, min(sizes)) if sizes else 1
             self._ahead = len(keys) if into is not None else max(MIN_INFLIGHT, -(-window_bytes // per)) + 2

@@ -17,6 +17,7 @@ import redis
 
 from kvtier.bench import fio, storage
 from kvtier.bench.burst import Burst, why_not as burst_why_not
+from kvtier.bench.loopalone import LoopAlone, why_not as loop_why_not
 from kvtier.bench.storage import DeviceReads, _cpu_comparison
 from kvtier.bench.storage_common import StorageBenchError
 from kvtier.bench.storage_common import fio_mode
@@ -172,6 +173,23 @@ def test_bench_storage_cli_writes_table_and_json(tmp_path):
     assert r["cold_vs_burst"] == pytest.approx(r["cold_load_gbps"] / b["median_gbps"])
     assert "device, one load at once, no checks" in proc.stdout
     assert "reading one load's 8 objects at once" in proc.stdout and "a verified read's floor here" in proc.stdout
+    # The native read loop alone at each window, on the same objects: the
+    # verified read without the store's bookkeeping; the store's share
+    # where kvtier's chosen variant ran that loop into lent buffers.
+    assert loop_why_not() == "", "this machine has the native loop, AIO and openat2: the loop must be timed"
+    assert set(r["loop_alone"]) == {"8MiB", "32MiB"}
+    for w, v in r["loop_alone"].items():
+        assert v["median_gbps"] > 0 and v["cpu_s_per_gb"] > 0 and len(v["runs_gbps"]) == 1, w
+        assert f"native read loop alone, window {w}" in proc.stdout
+    chosen = r["cold"][r["cold_cpu_variant"]]
+    if chosen["read_mode"] in ("direct-aio-lent", "direct-aio-lent-python") and chosen["loads_by_driver"]["native"]:
+        alone = r["loop_alone"][f"{chosen['window_bytes'] >> 20}MiB"]["cpu_s_per_gb"]
+        assert r["loop_alone_cpu_s_per_gb"] == alone
+        assert r["store_cpu_s_per_gb"] == pytest.approx(max(0.0, r["cold_cpu_s_per_gb"] - alone))
+        assert r["store_cpu_share"] == pytest.approx(r["store_cpu_s_per_gb"] / r["cold_cpu_s_per_gb"])
+        assert "the store's bookkeeping around it" in proc.stdout
+    else:
+        assert "store_cpu_s_per_gb" not in r and "the store's bookkeeping" not in proc.stdout
     assert not list((tmp_path / "d" / "fio").iterdir()), "fio's files must be removed"
 
     # A rerun reuses the objects already written (check-before-write). It
@@ -518,6 +536,40 @@ def test_the_burst_reads_every_sessions_files_whole_or_says_why_not(tmp_path):
             burst.run()
     finally:
         burst.close()
+
+
+def test_the_loop_alone_reads_and_verifies_every_object_or_fails(tmp_path):
+    """The native loop's own cost is only the loop's if every object came
+    back read and verified: a damaged or missing object is an error, never
+    a cheaper figure; and no file is left open, whatever happened."""
+    from kvtier.tiers import nativestream
+    from kvtier.tiers.shared import SharedTier
+    from tests.support import OBJ, flip_byte, make_chunks, shared_config
+
+    if loop_why_not():
+        pytest.skip(loop_why_not())  # a machine without the native loop (none of this project's)
+    chunks = make_chunks(6)
+    with SharedTier(shared_config(tmp_path / "s", 64 * OBJ)) as tier:
+        assert tier.store(chunks.objs) == 6
+        rel = [tier.dir.rel_path(k) for k in chunks.keys]
+        loop = LoopAlone(tier.dir.base, [rel[:4], rel[4:]], OBJ, OBJ - 4096)
+        fds = lambda: len(os.listdir("/proc/self/fd"))
+        try:
+            before = fds()
+            got = loop.run(2 * OBJ)
+            assert got.nbytes == 6 * (OBJ - 4096) and got.seconds > 0 and got.cpu_s >= 0
+            assert fds() == before
+            flip_byte(tier.dir.path(chunks.keys[5]), 4096 + 7)  # a payload byte: its checksum no longer matches
+            with pytest.raises(StorageBenchError, match="was not read and verified by the native loop"):
+                loop.run(2 * OBJ)
+            assert fds() == before
+            os.unlink(tier.dir.path(chunks.keys[1]))
+            with pytest.raises(StorageBenchError, match="was not read and verified"):
+                loop.run(OBJ)
+            assert fds() == before
+        finally:
+            loop.close()
+    assert nativestream.available()
 
 
 def test_the_default_windows_start_at_two_objects_on_a_directory_and_stay_as_they_were_on_a_network_tier(
