@@ -57,6 +57,9 @@ class LoopAlone:
     context and a thread (``close``)."""
 
     def __init__(self, folder: Path, sessions: Sequence[Sequence[bytes]], object_bytes: int, payload_bytes: int):
+        why = why_not()  # also readies the loop (its checksum)
+        if why:
+            raise StorageBenchError(f"the native read loop cannot be timed here: {why}")
         self.folder = folder
         self.sessions = [list(s) for s in sessions]
         self.object_bytes, self.payload_bytes = object_bytes, payload_bytes
