@@ -32,9 +32,10 @@ whether reads reached the device whole or cut into pieces.
 
 Every figure is the median of ``repeats`` runs; ratios compare medians of the
 same run. Steps 2-5 are interleaved: each repeat runs every fio job, the
-burst, the loop alone and every cold load once, in the reverse order of the repeat before.
-Nothing is cached between runs of step 4 (the files are dropped from the
-page cache before each; the burst reads with O_DIRECT).
+burst, the loop alone and every cold load once, in the reverse order of the
+repeat before. Nothing is cached between runs of step 5 (the files are
+dropped from the page cache before each; the burst and the loop alone read
+with O_DIRECT).
 """
 
 from __future__ import annotations
