@@ -440,6 +440,35 @@ def test_kvtier_is_judged_by_its_cheapest_variant_at_its_speed_as_fio_is():
     assert got["cpu_vs_fio"] == pytest.approx(0.050 / 0.100)
 
 
+def test_the_store_is_held_against_the_loop_alone_at_its_own_window_and_only_where_it_ran_that_loop():
+    """What the store adds is kvtier's CPU (its variant judged for CPU) less
+    the loop alone's at that variant's window; a variant that did not run
+    the native loop into lent buffers (another read mode, or loads that
+    fell back to another driver) is other machinery: no figure."""
+    from kvtier.bench.storage import _store_cost
+
+    native = {"native": 8, "aio": 0, "threads": 0}
+    r = {"cold": {"6MiB direct-aio-lent": {"read_mode": "direct-aio-lent", "window_bytes": 6 << 20,
+                                           "loads_by_driver": native}},
+         "cold_cpu_variant": "6MiB direct-aio-lent", "cold_cpu_s_per_gb": 0.050, "fio_cpu_s_per_gb": 0.040,
+         "loop_alone": {"6MiB": {"cpu_s_per_gb": 0.038}, "128MiB": {"cpu_s_per_gb": 0.045}}}
+    got = _store_cost(r)
+    assert got["loop_alone_cpu_s_per_gb"] == 0.038 and got["loop_alone_cpu_vs_fio"] == pytest.approx(0.95)
+    assert got["store_cpu_s_per_gb"] == pytest.approx(0.012) and got["store_cpu_share"] == pytest.approx(0.24)
+    r["cold_cpu_s_per_gb"] = 0.036  # under the loop (noise): the store adds nothing, never a negative
+    assert _store_cost(r)["store_cpu_s_per_gb"] == 0.0
+    r["cold"]["6MiB direct-aio-lent"]["loads_by_driver"] = {"native": 0, "aio": 8, "threads": 0}
+    assert _store_cost(r) == {}
+    r["cold"] = {"6MiB direct-aio": {"read_mode": "direct-aio", "window_bytes": 6 << 20, "loads_by_driver": native}}
+    r["cold_cpu_variant"] = "6MiB direct-aio"
+    assert _store_cost(r) == {}
+    del r["loop_alone"]
+    r["cold"] = {"6MiB direct-aio-lent": {"read_mode": "direct-aio-lent", "window_bytes": 6 << 20,
+                                          "loads_by_driver": native}}
+    r["cold_cpu_variant"] = "6MiB direct-aio-lent"
+    assert _store_cost(r) == {}
+
+
 def test_fios_huge_page_jobs_run_where_the_host_reserved_enough_and_are_held_apart(tmp_path, monkeypatch):
     """fio's buffers on 4 KiB pages cost it more than the device here
     (every O_DIRECT read pins each page): its O_DIRECT jobs run again with
