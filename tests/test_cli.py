@@ -188,6 +188,27 @@ def test_demo_sessions_are_shorter_where_prefill_runs_in_float32(tmp_path, monke
     assert (f"sessions of {tokens} tokens" in capsys.readouterr().out)
 
 
+def test_demo_runs_each_configuration_twice_abba_unless_told_otherwise(tmp_path, monkeypatch, capsys):
+    """The demo's bars compare configurations measured in separate engine
+    runs, whose TTFTs drift tens of ms apart on a noisy host: by default
+    each runs twice, in ABBA order, so that the spread a bar is held
+    against includes that drift; --rounds 1 halves the time; 0 is refused."""
+    from kvtier import cli
+    from kvtier.bench import resume, resume_report
+
+    seen = []
+    monkeypatch.setattr(resume, "run", lambda cfg, progress=None: seen.append(cfg) or {"failed": []})
+    monkeypatch.setattr(resume_report, "format_table", lambda s: "table")
+    monkeypatch.setattr(resume_report, "write_report", lambda s, d: [])
+    assert cli.main(["demo", "--dir", str(tmp_path)]) == 0
+    assert seen[-1].rounds == 2 and "2 rounds in ABBA order." in capsys.readouterr().out
+    assert resume.round_order(("a", "b"), 1, seen[-1].workload) == ("b", "a")
+    assert cli.main(["demo", "--dir", str(tmp_path), "--rounds", "1"]) == 0
+    assert seen[-1].rounds == 1 and "1 round." in capsys.readouterr().out
+    assert cli.main(["demo", "--dir", str(tmp_path), "--rounds", "0"]) == 2
+    assert len(seen) == 2 and "--rounds 0: need 1 or more" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------- ownership: whose directory it is
 
 
