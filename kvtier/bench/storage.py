@@ -355,8 +355,8 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
     else:
         result["burst_skipped"] = burst_skipped
     if loop_runs:
-        result["loop_alone"] = {f"{w // MiB}MiB": {**summarize(runs), "window_bytes": w,
-                                                   "request_kib": _median_or_none(requests[LOOP, w])}
+        result["loop_alone"] = {cold_label(w, "direct"): {**summarize(runs), "window_bytes": w,
+                                                          "request_kib": _median_or_none(requests[LOOP, w])}
                                 for w, runs in loop_runs.items()}
     else:
         result["loop_alone_skipped"] = loop_skipped
@@ -450,7 +450,7 @@ def _store_cost(r: dict) -> dict:
     Only where that variant's loads ran the native loop into lent buffers:
     other read modes are other machinery."""
     chosen = r["cold"][r["cold_cpu_variant"]]
-    alone = r.get("loop_alone", {}).get(f"{chosen['window_bytes'] // MiB}MiB")
+    alone = next((v for v in r.get("loop_alone", {}).values() if v["window_bytes"] == chosen["window_bytes"]), None)
     if alone is None or chosen["read_mode"] not in LENT_MODES or not chosen["loads_by_driver"].get("native"):
         return {}
     kv, loop = r["cold_cpu_s_per_gb"], alone["cpu_s_per_gb"]

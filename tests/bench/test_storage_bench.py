@@ -451,7 +451,8 @@ def test_the_store_is_held_against_the_loop_alone_at_its_own_window_and_only_whe
     r = {"cold": {"6MiB direct-aio-lent": {"read_mode": "direct-aio-lent", "window_bytes": 6 << 20,
                                            "loads_by_driver": native}},
          "cold_cpu_variant": "6MiB direct-aio-lent", "cold_cpu_s_per_gb": 0.050, "fio_cpu_s_per_gb": 0.040,
-         "loop_alone": {"6MiB": {"cpu_s_per_gb": 0.038}, "128MiB": {"cpu_s_per_gb": 0.045}}}
+         "loop_alone": {"6MiB": {"cpu_s_per_gb": 0.038, "window_bytes": 6 << 20},
+                        "128MiB": {"cpu_s_per_gb": 0.045, "window_bytes": 128 << 20}}}
     got = _store_cost(r)
     assert got["loop_alone_cpu_s_per_gb"] == 0.038 and got["loop_alone_cpu_vs_fio"] == pytest.approx(0.95)
     assert got["store_cpu_s_per_gb"] == pytest.approx(0.012) and got["store_cpu_share"] == pytest.approx(0.24)
