@@ -79,8 +79,10 @@ def _storage_parser(bsub) -> None:
                     "issued with native AIO from one thread, into the caller's own buffers), buffered (o_direct: false), direct (O_DIRECT, one pool "
                     "thread per read), direct-aio-4k (the default path with its read buffers on 4 KiB pages, huge_pages: "
                     "false), direct-aio-lent-python (as direct-aio-lent, read by the Python AIO driver instead of the "
-                    "native read loop: native_reads: false), auto (adaptive_reads: each load by the path that read "
-                    "faster lately) "
+                    "native read loop: native_reads: false), direct-aio-fetch (the engine's path: the default path "
+                    "through TieredStore.fetch, each verified object handed over in the tier's own buffer, as vLLM's "
+                    "worker takes them; the engine's copy out of it is not counted), auto (adaptive_reads: each load "
+                    "by the path that read faster lately) "
                     "(default direct-aio-lent,direct-aio,buffered)")
     bs.add_argument("--repeats", type=int, default=3, help="runs per measurement; medians are reported (default 3)")
     bs.add_argument("--memory", type=argtypes.size, default=1 << 30, help="bytes used for the memory-tier comparison (default 1GiB)")

@@ -23,7 +23,9 @@ In one run, on one directory:
    several window sizes and in several read modes (O_DIRECT into buffers the
    store lends, read and verified in place; O_DIRECT and buffered into the
    caller's own buffers, copied into), through ``TieredStore.load`` as an
-   engine would call it (lookup, verified reads);
+   engine would call it (lookup, verified reads), or through
+   ``TieredStore.fetch`` as vLLM's worker does (each verified object
+   handed over in the tier's own buffer, ``direct-aio-fetch``);
 6. kvtier memory-tier loads against a plain memcpy of the same bytes.
 
 Beside each fio job and cold load, the mean size of the read requests the
@@ -56,7 +58,9 @@ from kvtier.bench.fio import BUFFERED_STREAMS, fio_files_read, fio_seq_read_run,
 from kvtier.bench.storage_common import (
     GiB,
     MiB,
+    FETCH_MODES,
     LENT_MODES,
+    NO_COPY_MODES,
     READ_MODES,
     fio_mode,
     StorageBenchConfig,
@@ -90,7 +94,7 @@ LOOP = "loop"
 OWN_OBJECTS_JOB = "direct-own-objects"
 OWN_OBJECTS_DEPTH = 8
 # Read modes whose loads go through the AIO driver (their reads are traced).
-AIO_MODES = ("direct-aio", "direct-aio-lent", "direct-aio-lent-python", "direct-aio-4k")
+AIO_MODES = ("direct-aio", "direct-aio-lent", "direct-aio-lent-python", "direct-aio-4k", "direct-aio-fetch")
 # The CPU per GB each side is judged by: its cheapest variant (fio's job in
 # the read mode; kvtier's window and read mode) that reads within this
 # fraction of its fastest (_cpu_comparison).
@@ -213,8 +217,10 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
                                         huge_pages=m != "direct-aio-4k"))
         for w, m in variants
     }
-    # What each variant loads into: buffers its store lends, or the caller's own.
-    into = {v: stores[v].load_buffers(cfg.session_chunks, result["chunk_bytes"]) if v[1] in LENT_MODES else bufs
+    # What each variant loads into: buffers its store lends, the caller's
+    # own, or none (objects taken from ``fetch`` in the tier's buffers).
+    into = {v: stores[v].load_buffers(cfg.session_chunks, result["chunk_bytes"]) if v[1] in LENT_MODES
+            else None if v[1] in FETCH_MODES else bufs
             for v in variants}
     # Where the AIO path's loads had nothing in flight (start, between reads, tail).
     traces = {v: ReadTrace() for v in variants if v[1] in AIO_MODES}
@@ -426,10 +432,10 @@ def _cpu_floor(r: dict) -> dict:
     ``_cpu_comparison`` picks it) is not the read machinery, measured on
     the same bytes in the same run: the payload's XXH3-128
     checksum, which every verified load pays, and the copy into the caller's
-    own buffers, which a load into lent buffers does not (read in place).
-    The rest is the read machinery (lookups, opens, system calls,
-    hand-offs), which is what fio's figure compares with."""
-    copies = r["cold"][r["cold_cpu_variant"]]["read_mode"] not in LENT_MODES
+    own buffers, which a load into lent buffers or through ``fetch`` does
+    not (read in place). The rest is the read machinery (lookups, opens,
+    system calls, hand-offs), which is what fio's figure compares with."""
+    copies = r["cold"][r["cold_cpu_variant"]]["read_mode"] not in NO_COPY_MODES
     floor = r["checksum_cpu_s_per_gb"] + (r["copy_cpu_s_per_gb"] if copies else 0.0)
     rest = max(0.0, r["cold_cpu_s_per_gb"] - floor)
     fio = r["fio_cpu_s_per_gb"]
@@ -441,17 +447,24 @@ def _cpu_floor(r: dict) -> dict:
     }
 
 
+def _where_read(r: dict) -> str:
+    """Where the variant judged for CPU read its objects in place."""
+    return "the tier's buffers (fetch)" if r["cold"][r["cold_cpu_variant"]]["read_mode"] in FETCH_MODES \
+        else "lent buffers"
+
+
 def _store_cost(r: dict) -> dict:
     """kvtier's cold load (the variant ``_cpu_comparison`` picks) against
     the native read loop alone at the same window, on the same objects in
     the same run: what the store's own bookkeeping adds to a verified read
     (its plan, its read stream, each object's header, latency, recency
-    stamp and lent buffer, the hand-off of the loop to a pool thread).
-    Only where that variant's loads ran the native loop into lent buffers:
-    other read modes are other machinery."""
+    stamp and buffer, the hand-off of the loop to a pool thread).
+    Only where that variant's loads ran the native loop into lent buffers
+    or, through ``fetch``, into the tier's own: other read modes are other
+    machinery (a copy, or the Python driver)."""
     chosen = r["cold"][r["cold_cpu_variant"]]
     alone = next((v for v in r.get("loop_alone", {}).values() if v["window_bytes"] == chosen["window_bytes"]), None)
-    if alone is None or chosen["read_mode"] not in LENT_MODES or not chosen["loads_by_driver"].get("native"):
+    if alone is None or chosen["read_mode"] not in NO_COPY_MODES or not chosen["loads_by_driver"].get("native"):
         return {}
     kv, loop = r["cold_cpu_s_per_gb"], alone["cpu_s_per_gb"]
     return {
@@ -663,7 +676,7 @@ def format_table(r: dict) -> str:
         lines.append(f"  fio with its buffers on huge pages, as kvtier's are: not run ({r['fio_huge_skipped']})")
     if "cpu_floor_s_per_gb" in r:
         copy = (f"copy into the caller's buffers {r['copy_cpu_s_per_gb']:.3f}, " if r.get("cpu_floor_copies", True)
-                else f"no copy: read in place into lent buffers, a copy would be {r['copy_cpu_s_per_gb']:.3f}; ")
+                else f"no copy: read in place into {_where_read(r)}, a copy would be {r['copy_cpu_s_per_gb']:.3f}; ")
         lines.append(
             f"  of which {r['cpu_floor_s_per_gb']:.3f} s is not the read machinery ({copy}"
             f"XXH3 checksum {r['checksum_cpu_s_per_gb']:.3f}, same bytes); "
@@ -681,7 +694,7 @@ def format_table(r: dict) -> str:
         lines.append(
             f"  the native read loop alone at the same window ({w}MiB: open, read, verify; no store around it) "
             f"{r['loop_alone_cpu_s_per_gb']:.3f} s = {r['loop_alone_cpu_vs_fio']:.2f} x fio; the store's bookkeeping "
-            f"around it (plan, read stream, each object's header, latency, recency stamp and lent buffer, the "
+            f"around it (plan, read stream, each object's header, latency, recency stamp and buffer, the "
             f"hand-off to a pool thread) {r['store_cpu_s_per_gb']:.3f} s, {r['store_cpu_share']:.0%} of kvtier's"
         )
     elif r.get("loop_alone_skipped"):

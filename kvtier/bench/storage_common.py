@@ -47,8 +47,13 @@ GiB = 1 << 30
 # reads: each load by whichever of the two paths read faster lately).
 READ_MODES = ("direct-aio-lent", "direct-aio", "buffered")
 READ_MODE_CHOICES = ("auto", "direct", "buffered", "direct-aio", "direct-aio-lent", "direct-aio-lent-python",
-                     "direct-aio-4k")
+                     "direct-aio-4k", "direct-aio-fetch")
 LENT_MODES = ("direct-aio-lent", "direct-aio-lent-python")  # loads into ``TieredStore.load_buffers``
+# Loads through ``TieredStore.fetch``: each verified object handed over in
+# the tier's own buffer, one at a time, as vLLM's worker takes them
+# (integrations/vllm/worker.py); the engine's copy out of it is the engine's.
+FETCH_MODES = ("direct-aio-fetch",)
+NO_COPY_MODES = LENT_MODES + FETCH_MODES  # read and verified in place: kvtier copies nothing
 
 
 def fio_mode(mode: str) -> str:
@@ -194,20 +199,30 @@ def summarize(passes: Sequence[LoadPass | FioRead]) -> dict:
 def load_sessions(store: TieredStore, sessions, bufs, per_load: list[float], tick, what: str, where: str,
                   trace: ReadTrace | None = None) -> LoadPass:
     """Load every session once through ``store``, as an engine would; append
-    each load's seconds to ``per_load``; mark each load in ``trace``."""
+    each load's seconds to ``per_load``; mark each load in ``trace``.
+    ``bufs``: the caller's own buffers or lent ones (``TieredStore.load``),
+    or None: each object taken from ``TieredStore.fetch`` as it is handed
+    over, and given back (``FETCH_MODES``)."""
     nbytes = 0
     c0, t0 = cpu_seconds(), time.perf_counter()
     for keys in sessions:
         s0 = time.perf_counter()
         if trace is not None:
             trace.mark(BEGIN)
-        n = store.load(keys, bufs[: len(keys)])
+        if bufs is None:
+            n = got = 0
+            for obj in store.fetch(keys):  # the store takes each object back when the next is asked for
+                n += 1
+                got += obj.header.payload_len
+        else:
+            n = store.load(keys, bufs[: len(keys)])
+            got = n * (bufs.payload_bytes if isinstance(bufs, LoadBuffers) else bufs[0].nbytes)
         if trace is not None:
             trace.mark(END)
         per_load.append(time.perf_counter() - s0)
         if n != len(keys):
             raise StorageBenchError(f"{what} served {n} of {len(keys)} chunks: storage trouble, {where}")
-        nbytes += n * (bufs.payload_bytes if isinstance(bufs, LoadBuffers) else bufs[0].nbytes)
+        nbytes += got
         tick(1)
     return LoadPass(nbytes, time.perf_counter() - t0, cpu_seconds() - c0)
 

@@ -36,7 +36,8 @@ def test_bench_storage_cli_writes_table_and_json(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "kvtier.cli", "bench", "storage", "--dir", str(tmp_path / "d"), "--size", "48MiB",
          "--windows", "8MiB,32MiB", "--fio-depths", "1,8", "--repeats", "1", "--memory", "24MiB",
-         "--session-chunks", "8", "--read-modes", "auto,direct-aio,buffered,direct-aio-4k,direct-aio-lent,direct-aio-lent-python", "--json", str(out),
+         "--session-chunks", "8", "--read-modes", "auto,direct-aio,buffered,direct-aio-4k,direct-aio-lent,direct-aio-lent-python,direct-aio-fetch",
+         "--json", str(out),
          "--no-progress"],
         capture_output=True, text=True, timeout=300,
     )
@@ -76,7 +77,7 @@ def test_bench_storage_cli_writes_table_and_json(tmp_path):
     assert "fio reading kvtier's own object files where they lie" in proc.stdout
     # Adaptive reads, and each path alone (O_DIRECT through AIO, the default;
     # buffered), each at every window: the operator sees which suits the storage.
-    modes = ("auto", "direct-aio", "buffered", "direct-aio-4k", "direct-aio-lent", "direct-aio-lent-python")
+    modes = ("auto", "direct-aio", "buffered", "direct-aio-4k", "direct-aio-lent", "direct-aio-lent-python", "direct-aio-fetch")
     assert set(r["cold"]) == {f"{w} {m}" for w in ("8MiB", "32MiB") for m in modes}
     assert {v["read_mode"] for v in r["cold"].values()} == set(modes)
     # The default path with its buffers on 4 KiB pages reads O_DIRECT too.
@@ -95,6 +96,7 @@ def test_bench_storage_cli_writes_table_and_json(tmp_path):
     n_loads = 2  # 16 chunks in sessions of 8, one repeat
     assert r["cold"]["8MiB direct-aio"]["loads_by_path"] == {"direct": n_loads, "buffered": 0}
     assert r["cold"]["8MiB direct-aio-lent"]["loads_by_path"] == {"direct": n_loads, "buffered": 0}
+    assert r["cold"]["8MiB direct-aio-fetch"]["loads_by_path"] == {"direct": n_loads, "buffered": 0}
     assert r["cold"]["8MiB buffered"]["loads_by_path"] == {"direct": 0, "buffered": n_loads}
     assert r["cold"]["8MiB auto"]["loads_by_path"] == {"direct": 2, "buffered": 0}
     assert "auto: loads read O_DIRECT/buffered, by window: 8MiB 2/0" in proc.stdout
@@ -114,6 +116,10 @@ def test_bench_storage_cli_writes_table_and_json(tmp_path):
     assert r["cold"]["8MiB buffered"]["loads_by_driver"]["threads"] >= n_loads
     if nativestream.available():
         assert lent["native"] >= n_loads and lent["aio"] == lent["threads"] == 0
+        # Through fetch (the engine's path) the native loop too, once the
+        # tier knows the namespace's object size (its first load tells it).
+        fetched = r["cold"]["8MiB direct-aio-fetch"]["loads_by_driver"]
+        assert fetched["native"] >= 1 and fetched["threads"] == 0
     assert "loads by driver (native read loop, Python AIO driver, pool threads): " in proc.stdout
     assert not any(v.get("aio_stopped") for v in r["cold"].values())  # a local disk: opens take microseconds
     assert "moved to pool threads during the run" not in proc.stdout
@@ -149,15 +155,18 @@ def test_bench_storage_cli_writes_table_and_json(tmp_path):
     # The part that is not the read machinery: the checksum, and the copy
     # unless the best load read in place into lent buffers.
     assert r["copy_cpu_s_per_gb"] > 0 and r["checksum_cpu_s_per_gb"] > 0
-    assert r["cpu_floor_copies"] == (best["read_mode"] not in ("direct-aio-lent", "direct-aio-lent-python"))
+    assert r["cpu_floor_copies"] == (best["read_mode"] not in ("direct-aio-lent", "direct-aio-lent-python", "direct-aio-fetch"))
     copy = r["copy_cpu_s_per_gb"] if r["cpu_floor_copies"] else 0.0
     assert r["cpu_floor_s_per_gb"] == pytest.approx(copy + r["checksum_cpu_s_per_gb"])
-    assert ("no copy: read in place into lent buffers" in proc.stdout) == (not r["cpu_floor_copies"])
+    assert ("no copy: read in place into " in proc.stdout) == (not r["cpu_floor_copies"])
+    if not r["cpu_floor_copies"]:
+        where = "the tier's buffers (fetch)" if best["read_mode"] == "direct-aio-fetch" else "lent buffers"
+        assert f"no copy: read in place into {where}" in proc.stdout
     assert r["cpu_machinery_s_per_gb"] == pytest.approx(max(0.0, r["cold_cpu_s_per_gb"] - r["cpu_floor_s_per_gb"]))
     assert "the read machinery" in proc.stdout
     # Where the AIO path's loads had nothing in flight, and only for it.
     for label, v in r["cold"].items():
-        if v["read_mode"] in ("direct-aio", "direct-aio-4k", "direct-aio-lent", "direct-aio-lent-python"):
+        if v["read_mode"] in ("direct-aio", "direct-aio-4k", "direct-aio-lent", "direct-aio-lent-python", "direct-aio-fetch"):
             idle = v["idle_ms"]
             assert idle["load"] > 0 and min(idle.values()) >= 0
             assert idle["start"] + idle["between"] + idle["tail"] <= idle["load"] * 1.001, label
@@ -182,7 +191,8 @@ def test_bench_storage_cli_writes_table_and_json(tmp_path):
         assert v["median_gbps"] > 0 and v["cpu_s_per_gb"] > 0 and len(v["runs_gbps"]) == 1, w
         assert f"native read loop alone, window {w}" in proc.stdout
     chosen = r["cold"][r["cold_cpu_variant"]]
-    if chosen["read_mode"] in ("direct-aio-lent", "direct-aio-lent-python") and chosen["loads_by_driver"]["native"]:
+    if chosen["read_mode"] in ("direct-aio-lent", "direct-aio-lent-python", "direct-aio-fetch") \
+            and chosen["loads_by_driver"]["native"]:
         alone = r["loop_alone"][f"{chosen['window_bytes'] >> 20}MiB"]["cpu_s_per_gb"]
         assert r["loop_alone_cpu_s_per_gb"] == alone
         assert r["store_cpu_s_per_gb"] == pytest.approx(max(0.0, r["cold_cpu_s_per_gb"] - alone))
@@ -443,8 +453,9 @@ def test_kvtier_is_judged_by_its_cheapest_variant_at_its_speed_as_fio_is():
 def test_the_store_is_held_against_the_loop_alone_at_its_own_window_and_only_where_it_ran_that_loop():
     """What the store adds is kvtier's CPU (its variant judged for CPU) less
     the loop alone's at that variant's window; a variant that did not run
-    the native loop into lent buffers (another read mode, or loads that
-    fell back to another driver) is other machinery: no figure."""
+    the native loop into lent buffers or the tier's own (another read
+    mode, or loads that fell back to another driver) is other machinery:
+    no figure."""
     from kvtier.bench.storage import _store_cost
 
     native = {"native": 8, "aio": 0, "threads": 0}
@@ -463,6 +474,12 @@ def test_the_store_is_held_against_the_loop_alone_at_its_own_window_and_only_whe
     r["cold"] = {"6MiB direct-aio": {"read_mode": "direct-aio", "window_bytes": 6 << 20, "loads_by_driver": native}}
     r["cold_cpu_variant"] = "6MiB direct-aio"
     assert _store_cost(r) == {}
+    # Through fetch (the engine's path) the loop reads into the tier's own
+    # buffers, in place as into lent ones: held against the loop alone too.
+    r["cold"] = {"6MiB direct-aio-fetch": {"read_mode": "direct-aio-fetch", "window_bytes": 6 << 20,
+                                           "loads_by_driver": native}}
+    r["cold_cpu_variant"], r["cold_cpu_s_per_gb"] = "6MiB direct-aio-fetch", 0.050
+    assert _store_cost(r)["store_cpu_s_per_gb"] == pytest.approx(0.012)
     del r["loop_alone"]
     r["cold"] = {"6MiB direct-aio-lent": {"read_mode": "direct-aio-lent", "window_bytes": 6 << 20,
                                           "loads_by_driver": native}}
