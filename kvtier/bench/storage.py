@@ -570,6 +570,10 @@ def format_table(r: dict) -> str:
         f"{'measurement':<{width}}{'GB/s':>8}  {'ratio':>18}  {'CPU s/GB':>9}  {'request':>9}",
         "-" * (width + 50),
     ]
+    def row(what: str, v: dict, mark: str = "") -> str:
+        return (f"{what:<{width}}{v['median_gbps']:>8.2f}  {v['median_gbps'] / fio_best:>12.2f} x fio  "
+                f"{v['cpu_s_per_gb']:>9.3f}  {_kib(v.get('request_kib'))}{mark}")
+
     for job, v in r["fio"].items():
         if job == OWN_OBJECTS_JOB:
             what = f"fio O_DIRECT kvtier's own objects qd{OWN_OBJECTS_DEPTH}" + (", huge pages" if v["huge_pages"] else "")
@@ -581,22 +585,13 @@ def format_table(r: dict) -> str:
             what = f"fio seq read O_DIRECT 1MiB {job[: -len(HUGE_SUFFIX)]}, huge pages"
         else:
             what = "fio seq read O_DIRECT 1MiB " + job
-        lines.append(f"{what:<{width}}{v['median_gbps']:>8.2f}  {v['median_gbps'] / fio_best:>12.2f} x fio  "
-                     f"{v['cpu_s_per_gb']:>9.3f}  {_kib(v.get('request_kib'))}")
+        lines.append(row(what, v))
     if "burst" in r:
-        v = r["burst"]
-        lines.append(f"{'device, one load at once, no checks':<{width}}{v['median_gbps']:>8.2f}  "
-                     f"{v['median_gbps'] / fio_best:>12.2f} x fio  {v['cpu_s_per_gb']:>9.3f}  "
-                     f"{_kib(v.get('request_kib'))}")
+        lines.append(row("device, one load at once, no checks", r["burst"]))
     for w, v in r.get("loop_alone", {}).items():
-        lines.append(f"{'native read loop alone, window ' + w:<{width}}{v['median_gbps']:>8.2f}  "
-                     f"{v['median_gbps'] / fio_best:>12.2f} x fio  {v['cpu_s_per_gb']:>9.3f}  "
-                     f"{_kib(v.get('request_kib'))}")
+        lines.append(row("native read loop alone, window " + w, v))
     for w, v in r["cold"].items():
-        mark = " *" if w == r["cold_best_window"] else ""
-        lines.append(f"{'kvtier cold load, window ' + w:<{width}}{v['median_gbps']:>8.2f}  "
-                     f"{v['median_gbps'] / fio_best:>12.2f} x fio  {v['cpu_s_per_gb']:>9.3f}  "
-                     f"{_kib(v.get('request_kib'))}{mark}")
+        lines.append(row("kvtier cold load, window " + w, v, " *" if w == r["cold_best_window"] else ""))
     stopped = [w for w, v in r["cold"].items() if v.get("aio_stopped")]
     if stopped:
         lines.append(f"  {', '.join(stopped)}: moved to pool threads during the run (its AIO loads spent most of "
