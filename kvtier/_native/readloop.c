@@ -26,6 +26,12 @@
  * parsing); any other OK object's header is parsed and checked by
  * codec.decode, as before.
  *
+ * An OK object's file is closed here, not by the consumer, where the caller
+ * said it owes no recency stamp through it (``close_fresh``: its mtime is
+ * that recent): a close on the consumer's thread cost 3-4 us of its CPU per
+ * object in a load through the store, against well under one here, where
+ * the file was just used (docs/benchmarks.md).
+ *
  * Threads: ``run`` on one thread (a tier pool job); ``wait``, ``give`` and
  * ``stop`` from any other, under the load's mutex.
  */
@@ -92,6 +98,7 @@ typedef struct {
     int limit, started, finished, waiters;
     double opening_s, active_s;
     int trace;            /* record when reads went to the kernel and landed */
+    double close_fresh;   /* OK objects of an mtime at least this: their files closed by the loop (NaN: none) */
     int nev, capev;
     double *ev_t;
     int *ev_d;
@@ -425,6 +432,12 @@ static void drive(Load *ld) {
                 publish(ld, i, SKIPPED, 0);
             else if (payload_ok(it, it->size)) {
                 it->exact = header_exact(it);
+                if (it->mtime >= ld->close_fresh) { /* NaN: never */
+                    /* Its file owes no recency stamp: closed here, before
+                     * the consumer may look at its descriptor. */
+                    close(it->fd);
+                    it->fd = -1;
+                }
                 publish(ld, i, OK, 0);
             } else
                 publish(ld, i, FALLBACK, EBADMSG);
@@ -496,11 +509,13 @@ static void Load_dealloc(Load *ld) {
 
 static int Load_init(Load *ld, PyObject *args, PyObject *kw) {
     static char *names[] = {"paths", "sizes", "ctx", "depth", "window", "taper",
-                            "min_inflight", "piece", "poll_s", "trace", "expect", NULL};
+                            "min_inflight", "piece", "poll_s", "trace", "expect", "close_fresh", NULL};
     PyObject *paths, *sizes, *expect = Py_None;
+    ld->close_fresh = NAN;
     unsigned long long ctx, window, piece;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOKiKdiKd|pO", names, &paths, &sizes, &ctx, &ld->depth, &window,
-                                     &ld->taper, &ld->min_inflight, &piece, &ld->poll_s, &ld->trace, &expect))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOKiKdiKd|pOd", names, &paths, &sizes, &ctx, &ld->depth, &window,
+                                     &ld->taper, &ld->min_inflight, &piece, &ld->poll_s, &ld->trace, &expect,
+                                     &ld->close_fresh))
         return -1;
     if (xxh3_128 == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "kvtier._readloop: set_hash() was not called");
@@ -703,8 +718,8 @@ static PyObject *Load_stop(Load *ld, PyObject *args) {
 /* Object i's outcome: (state, errno, fd, bytes read, mtime, opened_s, t0:
  * when its open began, in time.perf_counter()'s seconds, exact: OK with the
  * header expected, see ``header_exact``). The
- * fd (-1 if never opened) is the caller's to close once ``run`` returned
- * or the object is OK. */
+ * fd (-1 if never opened, or closed by the loop: see ``close_fresh``) is
+ * the caller's to close once ``run`` returned or the object is OK. */
 static PyObject *Load_item(Load *ld, PyObject *args) {
     int i;
     if (!PyArg_ParseTuple(args, "i", &i) || check_index(ld, i))

@@ -24,6 +24,7 @@ Not a kvtier read path: nothing here serves data.
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import threading
@@ -106,7 +107,10 @@ class LoopAlone:
         load, started, closed = None, False, set()
         failed: str | None = None
         try:
-            load = nativestream.new_load(paths, [self.object_bytes] * len(paths), ctx, window_bytes)
+            # Files closed by the loop as it verifies them, as a tier that
+            # owes them no recency stamp has it (``FileTier._stamped_since``).
+            load = nativestream.new_load(paths, [self.object_bytes] * len(paths), ctx, window_bytes,
+                                         close_fresh=-math.inf)
             load.give(0, self._bufs[: len(paths)])
             self._jobs.put((load, base))
             started = True
@@ -114,7 +118,7 @@ class LoopAlone:
                 state = load.wait(i, _WAIT_S)
                 fd = load.item(i)[2]
                 if state == nativestream._readloop.OK and fd >= 0:
-                    os.close(fd)  # as the store closes an object's file once it took the object
+                    os.close(fd)  # (not here: the loop closed it)
                     closed.add(i)
                 if state != nativestream._readloop.OK:
                     failed = f"{p.decode(errors='replace')} was not read and verified by the native loop (state {state})"

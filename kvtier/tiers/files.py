@@ -528,6 +528,10 @@ class ObjectDir:
         now = time.time()
         if now - mtime < interval_s:
             return
+        if op is not None and op.fd < 0:
+            # The native read loop closed it: stamped since its load began
+            # (``FileTier._stamped_since``), so not stamped again by it.
+            return
         if op is not None and later is not None:
             later.add(op.take())
             return

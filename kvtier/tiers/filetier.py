@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence, TypeVar
@@ -150,6 +151,13 @@ class FileTier(PooledTier):
         its file still open, where there is one; ``later``: its load's
         stamps, where they wait for the load's end)."""
 
+    def _stamped_since(self) -> float:
+        """Objects whose mtime is at least this (seconds since the epoch)
+        owe no recency stamp through their file (``_touched`` would not use
+        it): the native read loop closes their files as it verifies them.
+        Here: none stamps through its file."""
+        return -math.inf
+
     def _forget(self, key: ChunkKey) -> None:
         """``key`` is gone (deleted, missing or quarantined)."""
 
@@ -197,7 +205,8 @@ class FileTier(PooledTier):
                         into=into, path=path, refused=self._refuse_aio, ended=base.close, done=done,
                         timed=self._aio_timed, trace=self.read_trace,
                         layouts=[self._layouts.get((k.ns, k.num_tokens)) for k in keys],
-                        finish_exact=functools.partial(self._finish_exact, later=later))
+                        finish_exact=functools.partial(self._finish_exact, later=later),
+                        close_fresh=self._stamped_since())
                     self.metrics.load_driver("native")
                     return stream
                 except OSError as exc:  # no AIO context: the Python driver says why

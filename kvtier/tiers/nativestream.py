@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
 import threading
 import time
@@ -98,14 +99,14 @@ def available() -> bool:
 
 
 def new_load(paths: Sequence[bytes], sizes: Sequence[int], ctx, window_bytes: int, piece_bytes: int = _PIECE,
-             trace: bool = False, expect: list | None = None):
+             trace: bool = False, expect: list | None = None, close_fresh: float = math.nan):
     """One native read loop's load (``_readloop.Load``) of ``paths`` below a
     folder, objects of ``sizes`` bytes, on AIO context ``ctx``, with the
     loop's pacing (taper, two objects in flight at least, how often it
     looks whether its consumer stopped) as every load has it: what
     ``NativeStream`` drives, and what ``kvtier bench storage`` times alone."""
     return _readloop.Load(list(paths), list(sizes), ctx.id, ctx.depth, window_bytes, _TAPER, MIN_INFLIGHT,
-                          piece_bytes, _POLL_S, trace, expect)
+                          piece_bytes, _POLL_S, trace, expect, close_fresh)
 
 
 class NativeStream:
@@ -127,7 +128,10 @@ class NativeStream:
     None; the loop marks an object whose header is exactly the one expected
     (``codec.expected_head``, and a matching CRC-32), and
     ``finish_exact(key, op, header, t0, pool)`` makes it without parsing
-    (``finish`` makes all others)."""
+    (``finish`` makes all others). ``close_fresh``: the loop closes the file
+    of each verified object whose mtime is at least this (one that owes no
+    recency stamp through its file; NaN: none), and ``finish`` gets an
+    ``OpenRead`` without a descriptor (``fd`` -1) for it."""
 
     def __init__(
         self,
@@ -151,6 +155,7 @@ class NativeStream:
         piece_bytes: int = _PIECE,
         layouts: Sequence[tuple | None] | None = None,
         finish_exact: Callable[[ChunkKey, OpenRead, Header, float, object], ChunkObject] | None = None,
+        close_fresh: float = math.nan,
     ):
         if not available():
             raise RuntimeError("kvtier's native read loop is not built here")
@@ -179,7 +184,8 @@ class NativeStream:
         self._load = None  # made below (it takes the AIO context)
         self._ctx = contexts.take()
         try:
-            self._load = new_load(paths, sizes, self._ctx, window_bytes, piece_bytes, trace is not None, expect)
+            self._load = new_load(paths, sizes, self._ctx, window_bytes, piece_bytes, trace is not None, expect,
+                                  close_fresh)
             # Buffers ahead of the consumer: what the window holds, plus two.
             per = max(1, min(sizes)) if sizes else 1
             self._ahead = len(keys) if into is not None else max(MIN_INFLIGHT, -(-window_bytes // per)) + 2

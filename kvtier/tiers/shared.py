@@ -100,6 +100,10 @@ class SharedTier(FileTier):
                  later: LoadStamps | None = None) -> None:
         self.dir.stamp(key, mtime, self.config.touch_interval_s, op, later)
 
+    def _stamped_since(self) -> float:
+        # As the load begins: an object stamped since is not stamped again by it.
+        return time.time() - self.config.touch_interval_s
+
     def _stored(self, key, obj) -> None:
         """Count our write; start a background collection pass when one is due:
         the first write after start (it also measures usage), every

@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import logging
+import time
 import os
 import struct
 import threading
@@ -213,6 +214,10 @@ class ShmTier(FileTier):
     def _touched(self, key: ChunkKey, mtime: float, op: OpenRead | None = None,
                  later: LoadStamps | None = None) -> None:
         self.dir.stamp(key, mtime, self.config.touch_interval_s, op, later)
+
+    def _stamped_since(self) -> float:
+        # As the load begins: an object stamped since is not stamped again by it.
+        return time.time() - self.config.touch_interval_s
 
     def _quarantine(self, key: ChunkKey) -> None:
         # Kept aside, a bad object would hold node DRAM the ledger no longer

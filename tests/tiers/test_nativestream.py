@@ -389,6 +389,30 @@ def test_two_models_on_one_tier_are_each_read_by_the_loop(open_tier, monkeypatch
     assert fallbacks == []
 
 
+def test_the_loop_closes_the_files_of_objects_that_owe_no_stamp(open_tier):
+    """An object stamped within the tier's interval owes no recency stamp:
+    the loop closes its file as it verifies it, and the consumer gets no
+    descriptor for it. A stale object's file stays open for its stamp, made
+    through it once the load's consumer is done."""
+    tier = open_tier(touch_interval_s=60)
+    c = make_chunks(4)
+    tier.store(c.objs)
+    now = time.time()
+    for k in c.keys[2:]:
+        os.utime(tier.dir.path(k), (now - 120, now - 120))
+    before = _fds()
+    stream = tier._stream(c.keys)
+    assert isinstance(stream, NativeStream)
+    fds = []
+    for i, obj in enumerate(stream.iter(5.0)):
+        fds.append(stream._load.item(i)[2])
+        obj.release()
+    assert fds[:2] == [-1, -1] and min(fds[2:]) >= 0
+    assert tier._owed.settle(5.0)
+    assert [os.stat(tier.dir.path(k)).st_mtime > now - 60 for k in c.keys] == [True] * 4
+    assert _no_fd_leak(before)
+
+
 def test_an_abandoned_load_returns_every_buffer_and_descriptor(open_tier):
     pool = CountingPool()
     tier = open_tier(pool=pool, read_window_bytes=64 * OBJ)
