@@ -72,18 +72,18 @@ def _storage_parser(bsub) -> None:
     bs.add_argument("--session-chunks", type=int, default=32, help="chunks per load call, i.e. one resumed session (default 32 = 8k tokens)")
     bs.add_argument("--windows", type=argtypes.sizes, default=None, help="read windows to try, comma-separated (default 6MiB,16MiB,32MiB,128MiB with --dir, 16MiB,32MiB,128MiB with --tier; the tiers' default is 128MiB; a load keeps two objects in flight however small its window)")
     bs.add_argument("--fio-depths", type=argtypes.ints, default=(1, 8, 32), help="fio queue depths (default 1,8,32)")
-    bs.add_argument("--read-modes", type=_read_modes, default=("direct-aio-lent", "direct-aio", "buffered"),
+    bs.add_argument("--read-modes", type=_read_modes, default=None,
                     help="kvtier read modes to measure, comma-separated: direct-aio-lent (the file tiers' default "
                     "path, loading into buffers the store lends: each chunk read and verified in place, no copy), "
-                    "direct-aio (the file tiers' default: O_DIRECT "
-                    "issued with native AIO from one thread, into the caller's own buffers), buffered (o_direct: false), direct (O_DIRECT, one pool "
+                    "direct-aio (the same path into the caller's own buffers, copied into), buffered (o_direct: "
+                    "false), direct (O_DIRECT, one pool "
                     "thread per read), direct-aio-4k (the default path with its read buffers on 4 KiB pages, huge_pages: "
                     "false), direct-aio-lent-python (as direct-aio-lent, read by the Python AIO driver instead of the "
                     "native read loop: native_reads: false), direct-aio-fetch (the engine's path: the default path "
                     "through TieredStore.fetch, each verified object handed over in the tier's own buffer, as vLLM's "
                     "worker takes them; the engine's copy out of it is not counted), auto (adaptive_reads: each load "
                     "by the path that read faster lately) "
-                    "(default direct-aio-lent,direct-aio,buffered)")
+                    "(default direct-aio-lent,direct-aio-fetch,direct-aio,buffered)")
     bs.add_argument("--repeats", type=int, default=3, help="runs per measurement; medians are reported (default 3)")
     bs.add_argument("--memory", type=argtypes.size, default=1 << 30, help="bytes used for the memory-tier comparison (default 1GiB)")
     bs.add_argument("--io-threads", type=int, default=32, help="I/O threads of the tier (default 32)")
@@ -94,7 +94,7 @@ def _storage_parser(bsub) -> None:
 
 def cmd_bench_storage(args: argparse.Namespace) -> int:
     from kvtier.bench import storage
-    from kvtier.bench.storage_common import DIR_WINDOWS, TIER_WINDOWS
+    from kvtier.bench.storage_common import DIR_WINDOWS, READ_MODES, TIER_WINDOWS
     from kvtier.bench.models import PRESETS
 
     if args.model not in PRESETS:
@@ -108,7 +108,7 @@ def cmd_bench_storage(args: argparse.Namespace) -> int:
         session_chunks=args.session_chunks,
         windows=args.windows or (TIER_WINDOWS if args.tier else DIR_WINDOWS),
         fio_depths=args.fio_depths,
-        read_modes=args.read_modes,
+        read_modes=args.read_modes or READ_MODES,
         repeats=args.repeats,
         memory_bytes=args.memory,
         io_threads=args.io_threads,

@@ -35,17 +35,20 @@ MiB = 1 << 20
 GiB = 1 << 30
 
 # Measured by default: the file tiers' default read path, O_DIRECT through
-# native AIO from one driver thread, loading into buffers the store lends
-# ("direct-aio-lent": read and verified in place, no copy) and into the
-# caller's own buffers ("direct-aio": copied into them), and buffered reads
-# ("buffered", o_direct: false, into the caller's own). ``--read-modes`` also takes "direct" (O_DIRECT
+# native AIO (the native read loop where it was built), loading into
+# buffers the store lends ("direct-aio-lent": read and verified in place, no
+# copy), taken object by object through ``TieredStore.fetch`` as vLLM's
+# worker takes them ("direct-aio-fetch": the engine's path, in the tier's
+# own buffers, no copy) and into the caller's own buffers ("direct-aio":
+# copied into them), and buffered reads ("buffered", o_direct: false, into
+# the caller's own). ``--read-modes`` also takes "direct" (O_DIRECT
 # with one pool thread per blocking read, aio: false), "direct-aio-4k" (the
 # default path with its read buffers on 4 KiB pages, the store's
 # huge_pages: false), "direct-aio-lent-python" (as "direct-aio-lent", read
 # by the Python AIO driver instead of the native read loop, native_reads:
 # false: the two drivers side by side in one run) and "auto" (adaptive
 # reads: each load by whichever of the two paths read faster lately).
-READ_MODES = ("direct-aio-lent", "direct-aio", "buffered")
+READ_MODES = ("direct-aio-lent", "direct-aio-fetch", "direct-aio", "buffered")
 READ_MODE_CHOICES = ("auto", "direct", "buffered", "direct-aio", "direct-aio-lent", "direct-aio-lent-python",
                      "direct-aio-4k", "direct-aio-fetch")
 LENT_MODES = ("direct-aio-lent", "direct-aio-lent-python")  # loads into ``TieredStore.load_buffers``
