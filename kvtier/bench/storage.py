@@ -76,6 +76,7 @@ from kvtier.bench.storage_common import (
 )
 from kvtier.progress import Progress, silent
 from kvtier.tiers.readtrace import ReadTrace
+from kvtier.tiers.filetier import FileTierConfig
 from kvtier.tiers.shared import SharedConfig, SharedTier
 from kvtier.version import __version__
 
@@ -498,6 +499,9 @@ def _cpu_comparison(r: dict) -> dict:
     fio = r["fio"][ref]["cpu_s_per_gb"]
     out = {
         "cold_cpu_variant": at,
+        # The window to configure on this storage (``read_window_bytes``): the
+        # one that read at about the fastest rate for the least CPU.
+        "suggested_read_window_bytes": r["cold"][at].get("window_bytes"),
         "cold_cpu_s_per_gb": kv,
         "cold_best_cpu_s_per_gb": r["cold"][r["cold_best_window"]]["cpu_s_per_gb"],
         "fio_cpu_job": ref,
@@ -513,6 +517,18 @@ def _cpu_comparison(r: dict) -> dict:
         out.update({"fio_cpu_job_4k_pages": ref4k, "fio_cpu_s_per_gb_4k_pages": fio4k,
                     "cpu_vs_fio_4k_pages": kv / fio4k if fio4k > 0 else float("nan")})
     return out
+
+
+def _window_advice(r: dict) -> str:
+    """The report's line on ``read_window_bytes`` for the storage measured."""
+    w, default = r["suggested_read_window_bytes"], FileTierConfig().read_window_bytes
+    mode = r["cold"][r["cold_cpu_variant"]]["read_mode"]
+    path = " with o_direct: false" if mode == "buffered" else ""
+    if w == default:
+        return f"  read_window_bytes: the tiers' default, {w // MiB}MiB, suits this storage{path}"
+    return (f"  read_window_bytes: {w // MiB}MiB{path} suits this storage, the window of that variant (the tiers' "
+            f"default is {default // MiB}MiB; a smaller window that reads as fast keeps fewer buffers in use, "
+            f"which costs less CPU where they stay in the cache: docs/benchmarks.md)")
 
 
 def _cpu_reference(jobs: dict, mode: str) -> str:
@@ -656,6 +672,8 @@ def format_table(r: dict) -> str:
         f"{kv * 10:.1f} cores at 10 GB/s, {kv * 50:.1f} at 50 GB/s"
     )
     chosen = r["cold"][r["cold_cpu_variant"]]
+    if r.get("suggested_read_window_bytes"):
+        lines.append(_window_advice(r))
     if "metrics_cpu_s_per_gb" in chosen:
         lines.append(
             f"  kvtier's own metrics (kvtier_io_cpu_seconds{{kind=\"load\"}} + kvtier_load_caller_cpu_seconds, what "

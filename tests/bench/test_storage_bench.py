@@ -18,7 +18,7 @@ import redis
 from kvtier.bench import fio, storage
 from kvtier.bench.burst import Burst, why_not as burst_why_not
 from kvtier.bench.loopalone import LoopAlone, why_not as loop_why_not
-from kvtier.bench.storage import DeviceReads, _cpu_comparison
+from kvtier.bench.storage import DeviceReads, _cpu_comparison, _window_advice
 from kvtier.bench.storage_common import StorageBenchError
 from kvtier.bench.storage_common import fio_mode
 from tests.tiers.redisserver import REDIS_SERVER, RedisServer, free_port
@@ -434,20 +434,30 @@ def test_kvtier_is_judged_by_its_cheapest_variant_at_its_speed_as_fio_is():
         "qd8": {"read_mode": "direct", "median_gbps": 2.70, "cpu_s_per_gb": 0.040},
         "buffered-128k": {"read_mode": "buffered", "median_gbps": 3.00, "cpu_s_per_gb": 0.100},
     }
+    M = 1 << 20
     cold = {
-        "6MiB direct-aio-lent": {"read_mode": "direct-aio-lent", "median_gbps": 2.80, "cpu_s_per_gb": 0.060},
-        "128MiB direct-aio-lent": {"read_mode": "direct-aio-lent", "median_gbps": 2.90, "cpu_s_per_gb": 0.070},
-        "128MiB buffered": {"read_mode": "buffered", "median_gbps": 2.50, "cpu_s_per_gb": 0.050},  # 14 % slower
+        "6MiB direct-aio-lent": {"read_mode": "direct-aio-lent", "window_bytes": 6 * M, "median_gbps": 2.80,
+                                 "cpu_s_per_gb": 0.060},
+        "128MiB direct-aio-lent": {"read_mode": "direct-aio-lent", "window_bytes": 128 * M, "median_gbps": 2.90,
+                                   "cpu_s_per_gb": 0.070},
+        "128MiB buffered": {"read_mode": "buffered", "window_bytes": 128 * M, "median_gbps": 2.50,
+                            "cpu_s_per_gb": 0.050},  # 14 % slower
     }
-    got = _cpu_comparison({"fio": fio, "cold": cold, "cold_best_window": "128MiB direct-aio-lent"})
+    r = {"fio": fio, "cold": cold, "cold_best_window": "128MiB direct-aio-lent"}
+    got = _cpu_comparison(r)
     assert got["cold_cpu_variant"] == "6MiB direct-aio-lent" and got["cold_cpu_s_per_gb"] == 0.060
     assert got["cold_best_cpu_s_per_gb"] == 0.070
     assert got["fio_cpu_job"] == "qd8" and got["cpu_vs_fio"] == pytest.approx(0.060 / 0.040)
+    # The window that variant read with is the one the report suggests.
+    assert got["suggested_read_window_bytes"] == 6 * M
+    assert "read_window_bytes: 6MiB suits this storage" in _window_advice({**r, **got})
     # Within 10 %, the cheaper buffered variant is the figure, against fio's buffered job.
     cold["128MiB buffered"]["median_gbps"] = 2.65
-    got = _cpu_comparison({"fio": fio, "cold": cold, "cold_best_window": "128MiB direct-aio-lent"})
+    got = _cpu_comparison(r)
     assert got["cold_cpu_variant"] == "128MiB buffered" and got["fio_cpu_job"] == "buffered-128k"
     assert got["cpu_vs_fio"] == pytest.approx(0.050 / 0.100)
+    assert _window_advice({**r, **got}) == ("  read_window_bytes: the tiers' default, 128MiB, suits this storage "
+                                            "with o_direct: false")
 
 
 def test_the_store_is_held_against_the_loop_alone_at_its_own_window_and_only_where_it_ran_that_loop():
