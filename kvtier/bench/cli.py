@@ -156,7 +156,7 @@ def _resume_parser(bsub) -> None:
             "  kvtier-shared-aio            the same, O_DIRECT through native AIO (the default, spelled out)\n"
             "  kvtier-shared-4k             the default path with its read buffers on 4 KiB pages\n"
             "                               (huge_pages: false)\n"
-            "  kvtier-shared-w16, -w32, -w128  the default path with a 16, 32 or 128 MiB read window\n"
+            "  kvtier-shared-w6, -w16, -w32, -w128  the default path with a 6, 16, 32 or 128 MiB read window\n"
             "                               (read_window_bytes)\n"
             "  example                      vLLM's ExampleConnector, cold reads (the peer baseline)\n"
             "  kvtier-local-disk            w3: a disk tier per instance\n"

@@ -16,8 +16,8 @@ configurations at once (they would share the cores):
                        driver thread (the default, spelled out)
     kvtier-shared-4k   the default path with its read buffers on 4 KiB pages
                        (the store's huge_pages: false)
-    kvtier-shared-w16, kvtier-shared-w32, kvtier-shared-w128
-                       the default path with a 16, 32 or 128 MiB read window
+    kvtier-shared-w6, kvtier-shared-w16, kvtier-shared-w32, kvtier-shared-w128
+                       the default path with a 6, 16, 32 or 128 MiB read window
                        (read_window_bytes)
     example            vLLM's built-in ExampleConnector (disk), the peer baseline;
                        its files are dropped from the page cache like the shared tier's
@@ -75,6 +75,7 @@ READ_PATHS = {
     "kvtier-shared-direct": {"o_direct": True, "aio": False, "adaptive_reads": False},
     "kvtier-shared-aio": {"o_direct": True, "aio": True, "adaptive_reads": False},
     "kvtier-shared-4k": {},
+    "kvtier-shared-w6": {"read_window_bytes": "6MiB"},
     "kvtier-shared-w16": {"read_window_bytes": "16MiB"},
     "kvtier-shared-w32": {"read_window_bytes": "32MiB"},
     "kvtier-shared-w128": {"read_window_bytes": "128MiB"},
