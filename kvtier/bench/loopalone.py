@@ -10,7 +10,7 @@ its lent buffer, its counters) and the hand-off of the loop to a pool
 thread of the tier's executor. This runs the same loop, with the same
 pacing (``nativestream.new_load``), over the same objects with none of
 that: a thread waiting on a queue runs each session's loop, the caller
-waits for each object as the loop settles it and closes its file.
+waits for each object as the loop settles it (the loop closes its file).
 
 Its CPU per GB is the verified read itself: the kernel's part, the checksum
 and the loop. What a cold load through the store spends above it is the
@@ -104,33 +104,31 @@ class LoopAlone:
         except OSError as exc:
             raise StorageBenchError(f"could not open the store's folder {self.folder}: {exc}") from None
         ctx = self._contexts.take()
-        load, started, closed = None, False, set()
+        load, started, taken = None, False, 0
         failed: str | None = None
         try:
-            # Files closed by the loop as it verifies them, as a tier that
-            # owes them no recency stamp has it (``FileTier._stamped_since``).
+            # Each verified object's file closed by the loop, as a tier's
+            # load has it where the file owes no recency stamp
+            # (``FileTier._stamped_since``).
             load = nativestream.new_load(paths, [self.object_bytes] * len(paths), ctx, window_bytes,
                                          close_fresh=-math.inf)
             load.give(0, self._bufs[: len(paths)])
             self._jobs.put((load, base))
             started = True
-            for i, p in enumerate(paths):
-                state = load.wait(i, _WAIT_S)
-                fd = load.item(i)[2]
-                if state == nativestream._readloop.OK and fd >= 0:
-                    os.close(fd)  # (not here: the loop closed it)
-                    closed.add(i)
+            for p in paths:
+                state = load.wait(taken, _WAIT_S)
                 if state != nativestream._readloop.OK:
                     failed = f"{p.decode(errors='replace')} was not read and verified by the native loop (state {state})"
                     break
+                taken += 1
         finally:
             if load is not None:
-                load.stop(len(closed))
+                load.stop(taken)
             error = self._ended.get() if started else None
-            if load is not None:  # files the loop left open (reads past a failure)
+            if load is not None:  # files the loop left open (objects it did not verify)
                 for i in range(len(paths)):
                     fd = load.item(i)[2]
-                    if i not in closed and fd >= 0:
+                    if fd >= 0:
                         os.close(fd)
             self._contexts.give(ctx)
             os.close(base)
