@@ -76,6 +76,7 @@ from kvtier.bench.storage_common import (
 )
 from kvtier.progress import Progress, silent
 from kvtier.tiers.readtrace import ReadTrace
+from kvtier.bench.resume import READ_PATHS
 from kvtier.tiers.filetier import FileTierConfig
 from kvtier.tiers.shared import SharedConfig, SharedTier
 from kvtier.version import __version__
@@ -520,15 +521,21 @@ def _cpu_comparison(r: dict) -> dict:
 
 
 def _window_advice(r: dict) -> str:
-    """The report's line on ``read_window_bytes`` for the storage measured."""
+    """The report's line on ``read_window_bytes``: the window of kvtier's
+    cheapest variant at its speed, and how to check it end to end (in vLLM
+    the engine holds objects longer than these loads do, and on this
+    project's disk 6 MiB did not pay there: docs/benchmarks.md)."""
     w, default = r["suggested_read_window_bytes"], FileTierConfig().read_window_bytes
     mode = r["cold"][r["cold_cpu_variant"]]["read_mode"]
     path = " with o_direct: false" if mode == "buffered" else ""
     if w == default:
-        return f"  read_window_bytes: the tiers' default, {w // MiB}MiB, suits this storage{path}"
-    return (f"  read_window_bytes: {w // MiB}MiB{path} suits this storage, the window of that variant (the tiers' "
-            f"default is {default // MiB}MiB; a smaller window that reads as fast keeps fewer buffers in use, "
-            f"which costs less CPU where they stay in the cache: docs/benchmarks.md)")
+        return (f"  read_window_bytes: the tiers' default, {w // MiB}MiB, read at about the fastest rate for the least "
+                f"CPU in these loads{path}")
+    line = (f"  read_window_bytes: {w // MiB}MiB{path} read at about the fastest rate for the least CPU in these loads "
+            f"(the tiers' default: {default // MiB}MiB)")
+    if mode != "buffered" and f"kvtier-shared-w{w // MiB}" in READ_PATHS:
+        line += f"; check it end to end before setting it: kvtier bench resume --configs kvtier-shared,kvtier-shared-w{w // MiB}"
+    return line
 
 
 def _cpu_reference(jobs: dict, mode: str) -> str:

@@ -69,8 +69,8 @@ class FileTierConfig:
     cold_reads: bool = opt(False, "drop each object from the page cache after reading it (benchmarks)")
     read_window_bytes: int = size_field(128 << 20, "bytes of reads in flight per load, two objects at least (in "
                                         "vLLM on this project's disk 16, 32 and 128 MiB showed no consistent "
-                                        "difference; `kvtier bench storage` names the window that reads at about "
-                                        "the fastest rate for the least CPU on your storage)")
+                                        "difference; `kvtier bench storage` names the window that read at about "
+                                        "the fastest rate for the least CPU in its loads on your storage)")
     io_threads: int = opt(16, "threads of this tier's I/O pool", ge=1)
     aio: bool = opt(True, "with o_direct: issue a load's reads with Linux native AIO, from the native read loop "
                     "(native_reads; it checks what it reads) or else one Python driver thread (each landed object "

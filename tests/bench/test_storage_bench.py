@@ -450,14 +450,17 @@ def test_kvtier_is_judged_by_its_cheapest_variant_at_its_speed_as_fio_is():
     assert got["fio_cpu_job"] == "qd8" and got["cpu_vs_fio"] == pytest.approx(0.060 / 0.040)
     # The window that variant read with is the one the report suggests.
     assert got["suggested_read_window_bytes"] == 6 * M
-    assert "read_window_bytes: 6MiB suits this storage" in _window_advice({**r, **got})
+    assert _window_advice({**r, **got}) == (
+        "  read_window_bytes: 6MiB read at about the fastest rate for the least CPU in these loads (the tiers' "
+        "default: 128MiB); check it end to end before setting it: kvtier bench resume --configs "
+        "kvtier-shared,kvtier-shared-w6")
     # Within 10 %, the cheaper buffered variant is the figure, against fio's buffered job.
     cold["128MiB buffered"]["median_gbps"] = 2.65
     got = _cpu_comparison(r)
     assert got["cold_cpu_variant"] == "128MiB buffered" and got["fio_cpu_job"] == "buffered-128k"
     assert got["cpu_vs_fio"] == pytest.approx(0.050 / 0.100)
-    assert _window_advice({**r, **got}) == ("  read_window_bytes: the tiers' default, 128MiB, suits this storage "
-                                            "with o_direct: false")
+    assert _window_advice({**r, **got}) == ("  read_window_bytes: the tiers' default, 128MiB, read at about the "
+                                            "fastest rate for the least CPU in these loads with o_direct: false")
 
 
 def test_the_store_is_held_against_the_loop_alone_at_its_own_window_and_only_where_it_ran_that_loop():
