@@ -76,7 +76,6 @@ from kvtier.bench.storage_common import (
 )
 from kvtier.progress import Progress, silent
 from kvtier.tiers.readtrace import ReadTrace
-from kvtier.bench.resume import READ_PATHS
 from kvtier.tiers.filetier import FileTierConfig
 from kvtier.tiers.shared import SharedConfig, SharedTier
 from kvtier.version import __version__
@@ -525,6 +524,8 @@ def _window_advice(r: dict) -> str:
     cheapest variant at its speed, and how to check it end to end (in vLLM
     the engine holds objects longer than these loads do, and on this
     project's disk 6 MiB did not pay there: docs/benchmarks.md)."""
+    from kvtier.bench.resume import READ_PATHS  # its configurations' names; not needed at start-up
+
     w, default = r["suggested_read_window_bytes"], FileTierConfig().read_window_bytes
     mode = r["cold"][r["cold_cpu_variant"]]["read_mode"]
     path = " with o_direct: false" if mode == "buffered" else ""
