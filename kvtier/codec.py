@@ -17,16 +17,22 @@ Layout (all integers little endian; see docs/format.md):
     184     4     token count
     188     8     payload length
     196     16    payload checksum, XXH3-128
-    212     4     header checksum, CRC-32 of bytes [0, 212)
+    212     8     seal key id (zero: not sealed)
+    220     16    seal nonce
+    236     16    seal tag (kvtier/auth.py)
+    252     4     header checksum, CRC-32 of bytes [0, 252)
     ...           zero padding to 4096
     4096    n     payload, then zero padding to a multiple of 4096
 
 The payload starts 4 KiB aligned and the object length is a multiple of 4 KiB,
 so a whole object can be read with one O_DIRECT read into an aligned buffer.
+The checksums catch damage; the seal, where a cluster key is configured,
+proves who wrote the object (``seal``, ``seal_problem``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import struct
@@ -37,6 +43,7 @@ from typing import Callable
 
 import xxhash
 
+from kvtier.auth import KEY_ID_BYTES, NONCE_BYTES, TAG_BYTES, UNSEALED_ID, Keyring
 from kvtier.buffers import ALIGN, BufferPool, align_up, alloc, copy_into
 from kvtier.errors import CorruptObject
 from kvtier.keys import ChunkKey
@@ -47,10 +54,13 @@ HEADER_BLOCK = ALIGN
 MAX_NDIM = 8
 MAX_PAYLOAD = 1 << 32  # 4 GiB: far above any real chunk; refuses absurd headers
 
-_HEAD = struct.Struct("<8sHHI32s16s32s16sB7s8QIQ16s")
+_HEAD = struct.Struct("<8sHHI32s16s32s16sB7s8QIQ16s8s16s16s")
 _CRC = struct.Struct("<I")
-HEADER_STRUCT_SIZE = _HEAD.size + _CRC.size  # 216
-CHECKSUM_AT = _HEAD.size - 16  # 196: where the payload checksum starts (``expected_head`` ends)
+HEADER_STRUCT_SIZE = _HEAD.size + _CRC.size  # 256
+CRC_AT = _HEAD.size  # 252: the header checksum, of the bytes before it
+TAG_AT = CRC_AT - TAG_BYTES  # 236: the seal's tag; what it authenticates of the header ends here
+SEAL_AT = TAG_AT - NONCE_BYTES - KEY_ID_BYTES  # 212: the seal's key id, then its nonce
+CHECKSUM_AT = SEAL_AT - 16  # 196: where the payload checksum starts (``expected_head`` ends)
 _LAYOUT_AT = 96  # where the dtype starts, after the key and namespace digests
 _HEAD_START = struct.pack("<8sHHI", MAGIC, FORMAT_VERSION, HEADER_STRUCT_SIZE, 0)  # magic, version, size, flags
 _ZEROS = bytes(HEADER_BLOCK)  # reference for padding checks (either kind is shorter)
@@ -77,6 +87,9 @@ class Header:
     num_tokens: int
     payload_len: int
     checksum: bytes
+    seal_key: bytes = UNSEALED_ID  # the key id that sealed the object; zeros: not sealed
+    nonce: bytes = bytes(NONCE_BYTES)
+    tag: bytes = bytes(TAG_BYTES)
 
     @property
     def object_len(self) -> int:
@@ -210,6 +223,9 @@ def pack_header(h: Header) -> bytes:
         h.num_tokens,
         h.payload_len,
         h.checksum,
+        h.seal_key,
+        h.nonce,
+        h.tag,
     )
     return head + _CRC.pack(zlib.crc32(head))
 
@@ -239,12 +255,17 @@ def layout(header: Header) -> tuple[str, tuple[int, ...], int]:
     return header.dtype, header.shape, header.payload_len
 
 
-def expected_header(key: ChunkKey, layout: tuple[str, tuple[int, ...], int], checksum: bytes) -> Header:
+def expected_header(key: ChunkKey, layout: tuple[str, tuple[int, ...], int], tail: bytes) -> Header:
     """The header of an object whose bytes before the payload checksum were
     found equal to ``expected_head(key, *layout)`` and whose header CRC-32
-    matched: the one ``parse_header`` would return."""
+    matched: the one ``parse_header`` would return. ``tail`` is the
+    header's bytes [CHECKSUM_AT, CRC_AT): payload checksum and seal."""
     dtype, shape, payload_len = layout
-    return Header(key.digest, key.check, key.ns, dtype, shape, key.num_tokens, payload_len, checksum)
+    checksum, kid, nonce, tag = _TAIL.unpack(tail)
+    return Header(key.digest, key.check, key.ns, dtype, shape, key.num_tokens, payload_len, checksum, kid, nonce, tag)
+
+
+_TAIL = struct.Struct(f"<16s{KEY_ID_BYTES}s{NONCE_BYTES}s{TAG_BYTES}s")
 
 
 def parse_header(block: memoryview | bytes) -> Header:
@@ -257,7 +278,7 @@ def parse_header(block: memoryview | bytes) -> Header:
     if zlib.crc32(head) != crc:
         raise CorruptObject("header checksum mismatch")
     (magic, version, hsize, flags, key, check, ns, dtype, ndim, reserved, *rest) = _HEAD.unpack(head)
-    shape8, (num_tokens, payload_len, checksum) = rest[:MAX_NDIM], rest[MAX_NDIM:]
+    shape8, (num_tokens, payload_len, checksum, kid, nonce, tag) = rest[:MAX_NDIM], rest[MAX_NDIM:]
     if magic != MAGIC:
         raise CorruptObject("bad magic")
     if version != FORMAT_VERSION:
@@ -275,7 +296,7 @@ def parse_header(block: memoryview | bytes) -> Header:
         _check_layout(dtype_s, shape, payload_len)
     except ValueError as exc:
         raise CorruptObject(str(exc)) from exc
-    return Header(key, check, ns, dtype_s, shape, num_tokens, payload_len, checksum)
+    return Header(key, check, ns, dtype_s, shape, num_tokens, payload_len, checksum, kid, nonce, tag)
 
 
 def _check_layout(dtype: str, shape: tuple[int, ...], payload_len: int) -> None:
@@ -324,3 +345,29 @@ def decode(buf: memoryview, key: ChunkKey, expect_len: int | None = None, pool: 
     if not payload_checked and payload_checksum(obj.payload) != header.checksum:
         raise CorruptObject("payload checksum mismatch")
     return obj
+
+
+# ------------------------------------------------------------ the seal
+def seal(obj: ChunkObject, ring: Keyring) -> None:
+    """Seal a new object with the ring's sealing key (kvtier/auth.py): a
+    fresh nonce, the tag over the header up to it and the payload, and the
+    header CRC again, in place. Only for an object nobody else holds yet
+    (just built); an object sealed already is left as it is."""
+    h = obj.header
+    if h.seal_key != UNSEALED_ID:
+        return
+    h = dataclasses.replace(h, seal_key=ring.write_id, nonce=ring.nonce())
+    tag = ring.tag(ring.write_id, pack_header(h)[:TAG_AT], obj.payload)
+    assert tag is not None  # the ring holds its own sealing key
+    h = dataclasses.replace(h, tag=tag)
+    obj.buf[:HEADER_STRUCT_SIZE] = pack_header(h)
+    obj.header = h
+
+
+def seal_problem(obj: ChunkObject, ring: Keyring) -> str | None:
+    """None where ``obj``'s seal checks out under a key of ``ring``, else
+    why not (``auth.UNSEALED``, ``UNKNOWN_KEY``, ``BAD_SEAL``). What is
+    authenticated is the header as parsed (re-packed: the fields a reader
+    acts on, not the bytes it happened to read) and the payload."""
+    h = obj.header
+    return ring.check(h.seal_key, pack_header(h)[:TAG_AT], obj.payload, h.tag)

@@ -175,6 +175,8 @@ class StoreConfig:
     buffer_pool_bytes: int = size_field(256 * MiB, "recycled read buffers kept per store (saves page faults on cold reads)")
     huge_pages: bool = opt(True, "read buffers of 2 MiB or more on transparent huge pages: O_DIRECT reads go to the "
                            "device as whole-object requests, at less kernel CPU (no effect where THP is off)")
+    auth_key_file: str = opt("", "file of cluster keys (kvtier auth keygen): objects are sealed with its first key and "
+                             "served only if sealed with one of its keys; empty: no authentication (docs/security.md)")
     node_memory_dir: str = opt("", "tmpfs folder where the vLLM connector keeps memory tiers, one for every process "
                                "of the node (default /dev/shm/kvtier-UID)")
 

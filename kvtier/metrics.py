@@ -30,6 +30,13 @@ class Metrics:
         self.integrity = Counter(
             f"{p}_integrity_failures", "Objects that failed format, identity or checksum checks", ["tier"], registry=r
         )
+        self.auth_failures = Counter(
+            f"{p}_auth_failures",
+            "Objects a tier returned that were not served because their seal did not prove a holder of the cluster "
+            "key wrote them, by reason: unsealed (no seal), unknown_key (a key this node does not hold), bad_seal "
+            "(forged, tampered or spliced)",
+            ["tier", "reason"], registry=r,
+        )
         self.errors = Counter(f"{p}_errors", "Backend errors (I/O, timeouts)", ["tier", "op"], registry=r)
         self.dropped = Counter(
             f"{p}_dropped_saves", "Chunks not written to a tier (queue full, breaker open, no space)", ["tier", "reason"], registry=r
@@ -132,6 +139,9 @@ class TierMetrics:
 
     def corrupt(self) -> None:
         self._child(self.m.integrity).inc()
+
+    def auth_failed(self, reason: str) -> None:
+        self._child(self.m.auth_failures, reason).inc()
 
     def error(self, op: str) -> None:
         self._child(self.m.errors, op).inc()

@@ -4,4 +4,4 @@ __version__ = "0.1.0"
 
 # Bumped whenever the chunk object layout or the key derivation changes.
 # It is part of every namespace digest, so old objects simply stop matching.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2

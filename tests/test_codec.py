@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from kvtier.buffers import alloc
 from kvtier.codec import (
     CHECKSUM_AT,
+    CRC_AT,
     HEADER_BLOCK,
     HEADER_STRUCT_SIZE,
     MAGIC,
@@ -64,7 +65,7 @@ def test_the_expected_head_is_what_the_writer_wrote(data):
     and the header it then stands for is the parsed one."""
     h = parse_header(data[:HEADER_STRUCT_SIZE])
     assert expected_head(KEY, *layout(h)) == data[:CHECKSUM_AT]
-    assert expected_header(KEY, layout(h), data[CHECKSUM_AT : CHECKSUM_AT + 16]) == h
+    assert expected_header(KEY, layout(h), data[CHECKSUM_AT:CRC_AT]) == h
     other = keys_for(seed=4, n_chunks=1)[0]
     assert expected_head(other, *layout(h)) != data[:CHECKSUM_AT]
     # A key no object can echo (a digest of another length) expects nothing.
@@ -88,7 +89,7 @@ def test_encode_copies_the_payload():
 def test_layout_matches_the_format_document(obj, payload):
     buf = bytes(obj.buf)
     n = len(payload)
-    assert HEADER_BLOCK == 4096 and HEADER_STRUCT_SIZE == 216
+    assert HEADER_BLOCK == 4096 and HEADER_STRUCT_SIZE == 256
     assert len(buf) % 4096 == 0
     assert len(buf) == 4096 + (n + 4095) // 4096 * 4096
     assert buf[4096 : 4096 + n] == payload  # payload starts 4 KiB aligned
@@ -110,7 +111,8 @@ def test_layout_matches_the_format_document(obj, payload):
     assert struct.unpack_from("<I", buf, 184)[0] == h.num_tokens
     assert struct.unpack_from("<Q", buf, 188)[0] == n
     assert buf[196:212] == payload_checksum(payload)
-    assert struct.unpack_from("<I", buf, 212)[0] == zlib.crc32(buf[:212])
+    assert buf[212:252] == bytes(40)  # not sealed: key id, nonce and tag are zero
+    assert struct.unpack_from("<I", buf, 252)[0] == zlib.crc32(buf[:252])
 
 
 def test_buffer_is_page_aligned():
@@ -159,7 +161,7 @@ def _with_header(data: bytes, **fields) -> bytes:
     for name, value in fields.items():
         off, fmt = offsets[name]
         struct.pack_into(fmt, b, off, value)
-    struct.pack_into("<I", b, 212, zlib.crc32(bytes(b[:212])))
+    struct.pack_into("<I", b, 252, zlib.crc32(bytes(b[:252])))
     return bytes(b)
 
 
@@ -176,7 +178,7 @@ def test_header_with_a_valid_crc_but_wrong_fields_raises(change):
 def test_reserved_header_bytes_must_be_zero():
     b = bytearray(VALID)
     b[115] = 1
-    struct.pack_into("<I", b, 212, zlib.crc32(bytes(b[:212])))
+    struct.pack_into("<I", b, 252, zlib.crc32(bytes(b[:252])))
     with pytest.raises(CorruptObject):
         _decode(bytes(b))
 
@@ -264,7 +266,7 @@ def test_any_header_field_change_with_a_recomputed_crc_is_refused(pos, value):
     if b[pos] == value:
         return
     b[pos] = value
-    struct.pack_into("<I", b, 212, zlib.crc32(bytes(b[:212])))
+    struct.pack_into("<I", b, 252, zlib.crc32(bytes(b[:252])))
     with pytest.raises(CorruptObject):
         _decode(bytes(b))
 

@@ -68,11 +68,11 @@ def object_path(root, key: bytes, ns: bytes):
 def parse(data: bytes) -> dict:
     """Every header field at the doc's offset, each checked as the doc says."""
     assert len(data) >= BLOCK
-    (crc,) = struct.unpack_from("<I", data, 212)
-    assert crc == zlib.crc32(data[:212]), "header CRC"
+    (crc,) = struct.unpack_from("<I", data, 252)
+    assert crc == zlib.crc32(data[:252]), "header CRC"
     assert data[0:8] == b"KVTCHUNK"
     version, hsize, flags = struct.unpack_from("<HHI", data, 8)
-    assert (version, hsize, flags) == (1, 216, 0)
+    assert (version, hsize, flags) == (2, 256, 0)
     key, check, ns = data[16:48], data[48:64], data[64:96]
     dtype = data[96:112].rstrip(b"\0").decode("ascii")
     ndim = data[112]
@@ -81,6 +81,7 @@ def parse(data: bytes) -> dict:
     (num_tokens,) = struct.unpack_from("<I", data, 184)
     (n,) = struct.unpack_from("<Q", data, 188)
     checksum = data[196:212]
+    key_id, nonce, tag = data[212:220], data[220:236], data[236:252]
     assert 1 <= ndim <= 8 and all(d >= 1 for d in shape8[:ndim]) and not any(shape8[ndim:])
     shape = shape8[:ndim]
     prod = 1
@@ -89,12 +90,22 @@ def parse(data: bytes) -> dict:
     assert 1 <= n <= 2**32 and n == prod * DTYPE_SIZES[dtype]
     object_len = BLOCK + -(-n // BLOCK) * BLOCK
     assert len(data) == object_len, "exactly the object's bytes"
-    assert data[216:BLOCK] == bytes(BLOCK - 216), "header padding"
+    assert data[256:BLOCK] == bytes(BLOCK - 256), "header padding"
     assert data[BLOCK + n :] == bytes(object_len - BLOCK - n), "payload padding"
     payload = data[BLOCK : BLOCK + n]
     # XXH3-128, seed 0, canonical form: the 128-bit value big endian.
     assert checksum == xxhash.xxh3_128_intdigest(payload, seed=0).to_bytes(16, "big"), "payload checksum"
-    return dict(key=key, check=check, ns=ns, dtype=dtype, shape=shape, num_tokens=num_tokens, payload=payload)
+    return dict(key=key, check=check, ns=ns, dtype=dtype, shape=shape, num_tokens=num_tokens, payload=payload,
+                key_id=key_id, nonce=nonce, tag=tag, head=data[:236])
+
+
+def seal_of(cluster_key: bytes, head: bytes, payload: bytes) -> tuple[bytes, bytes]:
+    """The doc's seal: (key id, tag) of an object under ``cluster_key``."""
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    key_id = hashlib.sha256(f(b"kvtier-key-id") + f(cluster_key)).digest()[:8]
+    k_obj = hashlib.blake2b(f(b"kvtier-seal") + f(head), digest_size=32, key=cluster_key).digest()
+    return key_id, AESGCM(k_obj).encrypt(bytes(12), b"", payload)
 
 
 # ---------------------------------------------------------------- the objects kvtier writes
@@ -111,7 +122,7 @@ NS_FIELDS = [  # the doc's order
     ("tp_size", 2),
     ("tp_rank", 0),
     ("tenant_salt", "tenant-\u00fc"),  # non-ASCII: its UTF-8 enters the digest
-    ("format_version", 1),
+    ("format_version", 2),
 ]
 TOKENS = [0, 1, 2**32 - 1, 7, 42, 65536]  # a full chunk of 4, then a partial chunk of 2
 
@@ -167,6 +178,34 @@ def test_objects_parse_with_the_doc_alone(written):
     # Shards are objects of their own: other names, checks and namespaces.
     assert len({e[0] for e in expected}) == len({e[1] for e in expected}) == 4
     assert len({e[2] for e in expected}) == 3
+
+
+def test_sealed_objects_verify_with_the_doc_alone(tmp_path):
+    """An object sealed by kvtier's store, checked with the doc's seal
+    (SHA-256 key id, BLAKE2b-256 per-object key, AES-256-GCM tag of an empty
+    plaintext with the payload as associated data)."""
+    from kvtier.codec import encode, seal
+    from kvtier.auth import Keyring
+    from kvtier.keys import Namespace, chunk_keys
+
+    cluster_key = bytes(range(32))
+    key = chunk_keys(Namespace(**dict(NS_FIELDS)), TOKENS)[0]
+    payload = _payload(2 * 2 * 2 * 4 * 8 * 2)
+    obj = encode(key, "bfloat16", (2, 2, 2, 4, 8), payload)
+    seal(obj, Keyring([cluster_key]))
+    h = parse(bytes(obj.buf))
+    assert h["nonce"] != bytes(16)
+    assert (h["key_id"], h["tag"]) == seal_of(cluster_key, h["head"], payload)
+    # The tag covers the header: the same payload under another nonce is another tag.
+    other = h["head"][:220] + bytes(16)
+    assert seal_of(cluster_key, other, payload)[1] != h["tag"]
+
+
+def test_unsealed_objects_have_zero_seal_fields(written):
+    root, _ = written
+    for path in (root / "kvtier-v1" / "objects").rglob("*.kvc"):
+        h = parse(path.read_bytes())
+        assert (h["key_id"], h["nonce"], h["tag"]) == (bytes(8), bytes(16), bytes(16))
 
 
 def test_the_checksums_are_the_documented_ones():

@@ -33,13 +33,13 @@ GOLDEN_NS = Namespace(
 )
 GOLDEN_TOKENS = list(range(10))  # two full chunks of 4 and a partial chunk of 2
 
-# Computed once with format version 1. A change to key derivation, namespace
+# Computed once with format version 2. A change to key derivation, namespace
 # serialisation or the format version must change these on purpose.
-GOLDEN_NS_DIGEST = "47c58efac826f3aaef012a84c13129d2b0068cb9386955e1f15c9259a05e3486"
+GOLDEN_NS_DIGEST = "358c4e0151d1544ded61aa8d5fb8b4eb6cd0f6a2e411a30403833da19a9c10b7"
 GOLDEN_KEYS = [
-    ("a2a304ffb50615994cdf678181822aead55bcf46b4b140c9ebc0e2bc02ecf9b3", "be226dd4fba704a05e1db09bddbe0db2", 4),
-    ("86d09b6dc9acfa25d5080e91388884090977aa54f0cbf73987a579460f67141c", "0d40ec4ba12f0fb90d14e60b3ad70acf", 4),
-    ("e8bc61bd664331037e98e777fd3db79db2d10588352c2033fbbad8da1164f8f6", "f468e69203ccdf84f5a665ac6ba38822", 2),
+    ("bbf10d66d4394948f51537ba98193bb79ad3c26cc6e16b47031ba974173dd94c", "f4c3d572aee88468cb94bd476a283d9a", 4),
+    ("1ba1482dd32cfc10a37da466ce3cf8c661b959ee0e1832e81b51bbc13e51877a", "10a065376143deae527794cfa3bc8ea3", 4),
+    ("e0be34c9de6bd5f0d2a8254965c34b1cc1a8cb3b9f41410c1bc72cf2995cf1b5", "91bc4d5f6af426f776ccfc1464c36373", 2),
 ]
 
 

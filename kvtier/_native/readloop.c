@@ -58,12 +58,12 @@ struct kvt_open_how { uint64_t flags, mode, resolve; };
 #define KVT_RESOLVE_BENEATH 0x08
 
 #define HEADER_BLOCK 4096
-#define HEADER_STRUCT_SIZE 216
+#define HEADER_STRUCT_SIZE 256 /* codec.HEADER_STRUCT_SIZE; nativestream checks the three at import */
 #define ALIGN 4096
 #define MAX_PAYLOAD (1ULL << 32)
 #define MAX_PIECES 64
 #define HEAD_EXPECTED 196 /* the header's bytes before the payload checksum (codec.CHECKSUM_AT) */
-#define HEAD_CRC_AT 212   /* the header CRC-32, of the bytes before it */
+#define HEAD_CRC_AT 252   /* the header CRC-32, of the bytes before it (codec.CRC_AT) */
 
 typedef struct { uint64_t low64, high64; } xxh128_t;
 typedef xxh128_t (*xxh3_128_fn)(const void *, size_t);
@@ -824,5 +824,8 @@ PyMODINIT_FUNC PyInit__readloop(void) {
     PyModule_AddIntConstant(m, "OK", OK);
     PyModule_AddIntConstant(m, "FALLBACK", FALLBACK);
     PyModule_AddIntConstant(m, "SKIPPED", SKIPPED);
+    PyModule_AddIntConstant(m, "HEADER_STRUCT_SIZE", HEADER_STRUCT_SIZE);
+    PyModule_AddIntConstant(m, "HEAD_EXPECTED", HEAD_EXPECTED);
+    PyModule_AddIntConstant(m, "HEAD_CRC_AT", HEAD_CRC_AT);
     return m;
 }

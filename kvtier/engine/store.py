@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 from kvtier.buffers import BufferPool, LoadBuffers, copy_into, load_views, slot
-from kvtier.codec import HEADER_BLOCK, ChunkObject, encode
+from kvtier import auth
+from kvtier.codec import HEADER_BLOCK, ChunkObject, encode, seal, seal_problem
 from kvtier.config import StoreConfig, TierSpec
 from kvtier.engine.breaker import CircuitBreaker
 from kvtier.engine.executor import LOAD, PriorityExecutor
@@ -63,6 +64,10 @@ class TieredStore:
         a disk folder another process owns with a reader, for instance."""
         self.config = config
         self.metrics = metrics or Metrics()
+        # The cluster's keys (kvtier/auth.py): what this store writes is
+        # sealed, and what a persistent tier returns is served only sealed.
+        self.keyring: auth.Keyring | None = (
+            auth.load_keyring(config.auth_key_file) if config.auth_key_file else None)
         self.pool = BufferPool(config.buffer_pool_bytes, huge=config.huge_pages)
         self.tiers: list[Tier] = []
         try:
@@ -81,6 +86,8 @@ class TieredStore:
                 t.close()
             raise
         self._by_name = {t.name: t for t in self.tiers}
+        if self.keyring is None:
+            _warn_unkeyed([t for t in self.tiers if t.shared_medium])
         # Tiers that fill a load's buffers themselves (``FetchInto``), asked
         # once: a runtime protocol check costs tens of microseconds a call.
         self._fills = {t.name for t in self.tiers if isinstance(t, FetchInto)}
@@ -176,6 +183,9 @@ class TieredStore:
             for tier, want, it, copy_to in streams:
                 got = 0
                 for obj in it:
+                    if self.keyring is not None and tier.persistent and not self._sealed(tier, obj):
+                        tier.done_with(obj)
+                        return
                     if copy_to is not None:
                         dst = slot(copy_to, got, obj.header.payload_len)
                         if dst is None:
@@ -208,6 +218,20 @@ class TieredStore:
                     close()
             if clocked:
                 self.metrics.load_caller_cpu.inc(spent + max(0.0, time.thread_time() - t0))
+
+    def _sealed(self, tier: Tier, obj: ChunkObject) -> bool:
+        """Whether ``obj``, as ``tier`` returned it, proves it was written by
+        a holder of a key of the ring; if not it is a miss, counted by
+        reason. It is not quarantined here: a node whose key file lags a
+        rotation would otherwise move its peers' good objects aside
+        (``kvtier store verify --quarantine`` does, on an operator's word)."""
+        assert self.keyring is not None
+        problem = seal_problem(obj, self.keyring)
+        if problem is None:
+            return True
+        tier.metrics.auth_failed(problem)
+        _warn_refused(tier.name, problem)
+        return False
 
     def load(self, keys: Sequence[ChunkKey], bufs: Sequence[memoryview] | LoadBuffers,
              plan: Lookup | None = None) -> int:
@@ -279,6 +303,9 @@ class TieredStore:
         memory tier and each write-through job take theirs."""
         if not objs:
             return 0
+        if self.keyring is not None:
+            for o in objs:
+                seal(o, self.keyring)
         if self.memory is not None:
             self.memory.store(objs)
         for tier in self.tiers:
@@ -348,6 +375,36 @@ class TieredStore:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+_warned: set[tuple[str, str]] = set()
+_warned_lock = threading.Lock()
+
+
+def _warn_once(tier: str, what: str, message: str, *args) -> None:
+    with _warned_lock:
+        if (tier, what) in _warned:
+            return
+        _warned.add((tier, what))
+    log.warning(message, *args)
+
+
+def _warn_unkeyed(tiers: Sequence[Tier]) -> None:
+    """Say once per tier and process what a shared medium without a key means."""
+    for t in tiers:
+        _warn_once(t.name, "unkeyed",
+                   "tier %s (%s): no cluster key is configured, so anyone who can write this tier's storage can make "
+                   "engines serve KV of their choice; give every node the same key file (kvtier auth keygen FILE, "
+                   "then auth_key_file: FILE or KVTIER_AUTH_KEY_FILE=FILE; see docs/security.md)", t.name, t.kind)
+
+
+def _warn_refused(tier: str, reason: str) -> None:
+    hint = {auth.UNSEALED: "it was written without a key (another configuration, or someone without the key)",
+            auth.UNKNOWN_KEY: "it was sealed with a key this node does not hold (check that every node has the same "
+                              "key file: kvtier auth id FILE)",
+            auth.BAD_SEAL: "its seal does not match: it was forged or changed after it was written"}[reason]
+    _warn_once(tier, reason, "tier %s: refused an object (%s): %s; recomputing (kvtier_auth_failures_total counts "
+               "them)", tier, reason, hint)
 
 
 class Prefetch:

@@ -78,6 +78,9 @@ class Tier(abc.ABC):
     host_memory: ClassVar[bool] = False
     # Keeps the buffers of objects it stores (retains them; see the module's note).
     keeps_buffers: ClassVar[bool] = False
+    # Other nodes write its medium too (a shared mount, a Redis, a bucket):
+    # without a cluster key, whoever can write it decides what is served.
+    shared_medium: ClassVar[bool] = False
 
     def __init__(
         self,

@@ -45,7 +45,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable, Iterator, Sequence
 
 from kvtier.buffers import LoadBuffers, copy_into, slot
-from kvtier.codec import CHECKSUM_AT, ChunkObject, Header, expected_head, expected_header
+from kvtier.codec import CHECKSUM_AT, CRC_AT, HEADER_STRUCT_SIZE, ChunkObject, Header, expected_head, expected_header
 from kvtier.engine.executor import LOAD, PriorityExecutor
 from kvtier.keys import ChunkKey
 from kvtier.tiers.aio import ContextPool
@@ -58,6 +58,13 @@ log = logging.getLogger(__name__)
 try:  # built by ``pip install`` where a C compiler is at hand (setup.py)
     from kvtier import _readloop
 except ImportError:  # pragma: no cover - a build without the extension
+    _readloop = None
+# A loop built for another object format (a stale build in a source tree)
+# would judge headers by the wrong offsets: it is not used.
+if _readloop is not None and (getattr(_readloop, "HEADER_STRUCT_SIZE", None), getattr(_readloop, "HEAD_EXPECTED", None),
+                              getattr(_readloop, "HEAD_CRC_AT", None)) != (HEADER_STRUCT_SIZE, CHECKSUM_AT, CRC_AT):
+    logging.getLogger(__name__).warning("kvtier._readloop was built for another object format and is not used; "
+                                        "rebuild it (pip install -e .)")
     _readloop = None
 
 _POLL_S = 0.05  # how often the loop looks whether the consumer stopped, as AioStream's driver
@@ -350,7 +357,7 @@ class NativeStream:
         op = OpenRead(fd, True, len(buf), buf, mtime, opened_s)
         try:
             if exact:
-                header = expected_header(key, self._layouts[i], bytes(buf[CHECKSUM_AT : CHECKSUM_AT + 16]))
+                header = expected_header(key, self._layouts[i], bytes(buf[CHECKSUM_AT:CRC_AT]))
                 return self._finish_exact(key, op, header, t0, pool)
             return self._finish(key, op, got, t0, pool)
         except Exception as exc:

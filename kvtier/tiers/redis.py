@@ -179,6 +179,7 @@ return {used, redis.call('ZCARD', KEYS[1])}
 
 class RedisTier(PooledTier):
     kind = "redis"
+    shared_medium = True
     Config = RedisConfig
 
     def __init__(self, config: RedisConfig, metrics=None, breaker=None, pool=None):

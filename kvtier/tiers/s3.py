@@ -158,6 +158,7 @@ class S3Config:
 
 class S3Tier(PooledTier):
     kind = "s3"
+    shared_medium = True
     Config = S3Config
 
     def __init__(self, config: S3Config, metrics=None, breaker=None, pool=None):

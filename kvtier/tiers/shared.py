@@ -79,6 +79,7 @@ _SETTLE_S = 5.0
 
 class SharedTier(FileTier):
     kind = "shared"
+    shared_medium = True
     Config = SharedConfig
     defer_stamps = True  # a stamp is a round trip to the mount: made once the load's consumer is done
 

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from kvtier.codec import CRC_AT, HEADER_STRUCT_SIZE
+
 CHUNK = 256  # tokens per kvtier chunk in the soak's configuration
 
 
@@ -140,7 +142,7 @@ class Injector:
         """The objects of the next prompt's full chunks this tier holds. Their
         names need the namespace digest, which any object's header echoes:
         tried per namespace folder (reference runs use other salts)."""
-        from kvtier.codec import HEADER_STRUCT_SIZE, parse_header
+        from kvtier.codec import parse_header
         from kvtier.keys import next_key, root_key
 
         objects = self.dirs[tier] / "store" / "kvtier-v1" / "objects"
@@ -194,7 +196,7 @@ def flip(inj: Injector) -> bool:
     if p is None:
         return False
     size = p.stat().st_size
-    pos = inj.rng.randrange(size) if inj.rng.random() < 0.7 else inj.rng.randrange(min(size, 216))
+    pos = inj.rng.randrange(size) if inj.rng.random() < 0.7 else inj.rng.randrange(min(size, HEADER_STRUCT_SIZE))
     with open(p, "r+b") as f:
         f.seek(pos)
         b = f.read(1)
@@ -232,10 +234,10 @@ def version(inj: Injector) -> bool:
     if p is None:
         return False
     data = bytearray(p.read_bytes())
-    if len(data) < 216:
+    if len(data) < HEADER_STRUCT_SIZE:
         return False
-    struct.pack_into("<H", data, 8, inj.rng.choice((0, 2, 7)))
-    struct.pack_into("<I", data, 212, zlib.crc32(bytes(data[:212])))
+    struct.pack_into("<H", data, 8, inj.rng.choice((0, 1, 7)))  # versions other than this reader's
+    struct.pack_into("<I", data, CRC_AT, zlib.crc32(bytes(data[:CRC_AT])))
     _replace(p, bytes(data))
     return True
 
