@@ -55,6 +55,12 @@ UNSEALED_ID = bytes(KEY_ID_BYTES)  # the key id of an object written without a k
 UNSEALED = "unsealed"  # no seal: written without a key, or by someone who has none
 UNKNOWN_KEY = "unknown_key"  # sealed under a key this node does not hold
 BAD_SEAL = "bad_seal"  # the seal does not match: forged, tampered or spliced
+SEAL_PROBLEMS = {
+    UNSEALED: "written without a key: by a node configured without one, or by someone who has none",
+    UNKNOWN_KEY: "sealed with a key this node does not hold: check that every node has the same key file "
+                 "(kvtier auth id FILE)",
+    BAD_SEAL: "its seal does not match its bytes: forged, or changed after it was written",
+}
 
 
 def _field(data: bytes) -> bytes:

@@ -3,6 +3,7 @@
     kvtier bench storage|resume|soak ...   benchmarks (kvtier/bench/cli.py)
     kvtier demo ...                        the quick cold-resume benchmark (kvtier/bench/cli.py)
     kvtier store ls|stat|verify|gc --dir DIR   a directory tier's store (kvtier/tiers/cli.py)
+    kvtier auth keygen|id|add|promote|remove FILE   the cluster key file (kvtier/authcli.py)
     kvtier serve MODEL ...                 vLLM's server with kvtier (kvtier/serve.py)
     kvtier plan ...                        capacity planning (kvtier/plan/cli.py)
 
@@ -23,7 +24,7 @@ import argparse
 import logging
 import sys
 
-from kvtier import serve
+from kvtier import authcli, serve
 from kvtier.bench import cli as bench_cli
 from kvtier.errors import ConfigError
 from kvtier.plan import cli as plan_cli
@@ -31,7 +32,7 @@ from kvtier.tiers import cli as store_cli
 from kvtier.version import __version__
 
 # In the order of ``kvtier --help``.
-COMMANDS = (bench_cli, store_cli, serve, plan_cli)
+COMMANDS = (bench_cli, store_cli, authcli, serve, plan_cli)
 
 
 def build_parser() -> argparse.ArgumentParser:

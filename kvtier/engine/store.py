@@ -399,12 +399,8 @@ def _warn_unkeyed(tiers: Sequence[Tier]) -> None:
 
 
 def _warn_refused(tier: str, reason: str) -> None:
-    hint = {auth.UNSEALED: "it was written without a key (another configuration, or someone without the key)",
-            auth.UNKNOWN_KEY: "it was sealed with a key this node does not hold (check that every node has the same "
-                              "key file: kvtier auth id FILE)",
-            auth.BAD_SEAL: "its seal does not match: it was forged or changed after it was written"}[reason]
     _warn_once(tier, reason, "tier %s: refused an object (%s): %s; recomputing (kvtier_auth_failures_total counts "
-               "them)", tier, reason, hint)
+               "them)", tier, reason, auth.SEAL_PROBLEMS[reason])
 
 
 class Prefetch:

@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
+from kvtier.auth import SEAL_PROBLEMS, Keyring
+from kvtier.codec import seal_problem
 from kvtier.errors import ConfigError, CorruptObject
 from kvtier.keys import ChunkKey
 from kvtier.progress import Progress, silent
@@ -113,14 +115,14 @@ class AdminStore:
         self._owner_fd = fd
 
     # ------------------------------------------------------------ verify
-    def verify(self, quarantine: bool, progress: Progress = silent) -> VerifyReport:
+    def verify(self, quarantine: bool, progress: Progress = silent, keyring: Keyring | None = None) -> VerifyReport:
         """Read and check every object (``verify_objects``); with
         ``quarantine``, move bad ones aside the tiers' way, else write
         nothing. A disk tier's folder only with its owner lock."""
         if quarantine or self.kind == "disk":
             self.claim("verify")
         entries = list(self.dir.scan())
-        return verify_objects(self.dir, entries, quarantine, progress("verify", len(entries)))
+        return verify_objects(self.dir, entries, quarantine, progress("verify", len(entries)), keyring)
 
     # ------------------------------------------------------------ gc
     def gc(self, cfg, dry_run: bool):
@@ -171,7 +173,7 @@ class AdminStore:
 
 
 def verify_objects(odir: ObjectDir, entries: Sequence[ObjectEntry], quarantine: bool,
-                   tick: Callable[[int], None] = lambda n: None) -> VerifyReport:
+                   tick: Callable[[int], None] = lambda n: None, keyring: Keyring | None = None) -> VerifyReport:
     """Check ``entries`` (from ``odir.scan()``) with the tiers' own reads;
     with ``quarantine``, move bad ones aside as the tiers do. The caller owns
     the directory (``AdminStore.verify``, or the process whose tier it is).
@@ -179,7 +181,9 @@ def verify_objects(odir: ObjectDir, entries: Sequence[ObjectEntry], quarantine: 
     Without the token ids nobody can recompute a key, so what is checked is
     what each object itself promises: its header parses, its key is the one in
     its file name, its namespace is the one of its folder, and the tiers' read
-    accepts it for that key (payload complete, checksum)."""
+    accepts it for that key (payload complete, checksum); with ``keyring``,
+    that its seal proves a holder of one of its keys wrote it, as an engine
+    with those keys demands before it serves an object."""
     report = VerifyReport()
     for e in entries:
         try:
@@ -187,7 +191,12 @@ def verify_objects(odir: ObjectDir, entries: Sequence[ObjectEntry], quarantine: 
             if h.key.hex() != e.key_hex or h.ns[:8].hex() != e.ns_hex:
                 raise CorruptObject("header key or namespace does not match the object's path")
             obj, _ = odir.read(ChunkKey(h.key, h.check, h.ns, h.num_tokens), o_direct=False, cold=True)
-            obj.release()
+            try:
+                problem = None if keyring is None else seal_problem(obj, keyring)
+            finally:
+                obj.release()
+            if problem is not None:
+                raise CorruptObject(f"not served: {problem} ({SEAL_PROBLEMS[problem]})")
             report.ok += 1
         except FileNotFoundError:
             pass  # collected meanwhile

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -44,6 +45,9 @@ def register(subparsers) -> None:
                     help="move bad objects to the store's quarantine folder, as the tiers do (default: only report)")
     vf.add_argument("--no-quarantine", action="store_false", dest="quarantine", help=argparse.SUPPRESS)
     vf.add_argument("--no-progress", action="store_true", help="no progress bar")
+    vf.add_argument("--auth-key-file", metavar="FILE", default=None,
+                    help="also check each object's seal against this cluster key file, as an engine with it does "
+                         "(default: $KVTIER_AUTH_KEY_FILE; without either, seals are not checked)")
     vf.set_defaults(func=cmd_store_verify)
     gc = common(ssub.add_parser(
         "gc",
@@ -134,10 +138,16 @@ def cmd_store_stat(args: argparse.Namespace) -> int:
 
 
 def cmd_store_verify(args: argparse.Namespace) -> int:
+    from kvtier.auth import load_keyring
     from kvtier.tiers.admin import AdminStore
 
+    key_file = args.auth_key_file if args.auth_key_file is not None else os.environ.get("KVTIER_AUTH_KEY_FILE", "")
+    keyring = load_keyring(key_file, "--auth-key-file") if key_file else None
     with AdminStore(args.dir) as store:
-        report = store.verify(quarantine=args.quarantine, progress=progress.bars(not args.no_progress))
+        report = store.verify(quarantine=args.quarantine, progress=progress.bars(not args.no_progress),
+                              keyring=keyring)
+    if keyring is None:
+        print("seals not checked: no cluster key file (--auth-key-file or KVTIER_AUTH_KEY_FILE)")
     print(f"verified {report.ok} objects; {len(report.bad)} bad"
           + ((" (quarantined)" if args.quarantine else " (left in place; --quarantine moves them aside)")
              if report.bad else ""))

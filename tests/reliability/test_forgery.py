@@ -240,3 +240,30 @@ def test_objects_sealed_under_a_retired_key_stay_served_while_it_is_listed(mediu
         assert parse_header(medium.get(store, keys[1])[:4096]).seal_key == auth.key_id(new)
         assert _load(store, keys) == 2
         assert metrics.value("kvtier_auth_failures_total", tier=medium.kind, reason=auth.UNKNOWN_KEY) == 0
+
+
+@pytest.mark.parametrize("kind", ["shared", "disk"])
+def test_verify_with_the_key_reports_and_quarantines_what_engines_refuse(tmp_path, key_file, kind, capsys):
+    from kvtier.cli import main
+
+    medium = Files(kind, tmp_path / kind)
+    keys = keys_for(8, 4)
+    with _store(medium, key_file, Metrics()) as store:
+        _save(store, keys)
+        genuine = bytearray(medium.get(store, keys[1]))
+        genuine[HEADER_BLOCK] ^= 0x01
+        medium.put(store, keys[1], _rechecksum(genuine))  # tampered
+        evil = os.urandom(len(payload_for(keys[2])))
+        medium.put(store, keys[2], bytes(encode(keys[2], DTYPE, shape_for(keys[2].num_tokens), evil).buf))  # unsealed
+        paths = [store.tier(kind).dir.path(k) for k in keys]
+    root = str(medium.root)
+    # Without the key only the checksums are checked: the forgeries pass.
+    assert main(["store", "verify", "--dir", root, "--no-progress"]) == 0
+    assert "seals not checked" in capsys.readouterr().out
+    assert main(["store", "verify", "--dir", root, "--no-progress", "--auth-key-file", key_file]) == 1
+    out = capsys.readouterr().out
+    assert "verified 2 objects; 2 bad" in out
+    assert f"{paths[1]}: not served: {auth.BAD_SEAL}" in out and f"{paths[2]}: not served: {auth.UNSEALED}" in out
+    assert main(["store", "verify", "--dir", root, "--no-progress", "--auth-key-file", key_file, "--quarantine"]) == 1
+    assert [p.exists() for p in paths] == [True, False, False, True]
+    assert main(["store", "verify", "--dir", root, "--no-progress", "--auth-key-file", key_file]) == 0
