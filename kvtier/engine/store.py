@@ -23,7 +23,7 @@ from typing import Callable, Iterator, Sequence
 
 from kvtier.buffers import BufferPool, LoadBuffers, copy_into, load_views, slot
 from kvtier import auth
-from kvtier.codec import HEADER_BLOCK, ChunkObject, encode, seal, seal_problem
+from kvtier.codec import HEADER_BLOCK, ChunkObject, encode, key_of, seal, seal_problem
 from kvtier.config import StoreConfig, TierSpec
 from kvtier.engine.breaker import CircuitBreaker
 from kvtier.engine.executor import LOAD, PriorityExecutor
@@ -222,15 +222,23 @@ class TieredStore:
     def _sealed(self, tier: Tier, obj: ChunkObject) -> bool:
         """Whether ``obj``, as ``tier`` returned it, proves it was written by
         a holder of a key of the ring; if not it is a miss, counted by
-        reason. It is not quarantined here: a node whose key file lags a
-        rotation would otherwise move its peers' good objects aside
-        (``kvtier store verify --quarantine`` does, on an operator's word)."""
+        reason. An unsealed or badly sealed object is deleted from the tier,
+        so that the recomputed chunk is stored in its place. One sealed with
+        a key this node does not hold is left: the node's key file may lag a
+        rotation, and its peers still serve the object (``kvtier store
+        verify --quarantine`` moves such objects aside on an operator's
+        word)."""
         assert self.keyring is not None
         problem = seal_problem(obj, self.keyring)
         if problem is None:
             return True
         tier.metrics.auth_failed(problem)
         _warn_refused(tier.name, problem)
+        if problem != auth.UNKNOWN_KEY:
+            try:
+                tier.delete([key_of(obj)])
+            except Exception as exc:  # storage trouble: the next reader refuses it again
+                log.warning("tier %s: could not delete a refused object: %s", tier.name, exc)
         return False
 
     def load(self, keys: Sequence[ChunkKey], bufs: Sequence[memoryview] | LoadBuffers,
