@@ -82,7 +82,9 @@ def _storage_parser(bsub) -> None:
                     "native read loop: native_reads: false), direct-aio-fetch (the engine's path: the default path "
                     "through TieredStore.fetch, each verified object handed over in the tier's own buffer, as vLLM's "
                     "worker takes them; the engine's copy out of it is not counted), auto (adaptive_reads: each load "
-                    "by the path that read faster lately) "
+                    "by the path that read faster lately), direct-aio-lent-auth and direct-aio-fetch-auth (those two "
+                    "with a cluster key: every object's seal checked too; the report says what that adds beside "
+                    "the same mode without a key) "
                     "(default direct-aio-lent,direct-aio-fetch,direct-aio,buffered)")
     bs.add_argument("--repeats", type=int, default=3, help="runs per measurement; medians are reported (default 3)")
     bs.add_argument("--memory", type=argtypes.size, default=1 << 30, help="bytes used for the memory-tier comparison (default 1GiB)")

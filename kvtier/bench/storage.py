@@ -48,6 +48,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from kvtier import auth
 from kvtier.buffers import align_up, alloc
 from kvtier.codec import HEADER_BLOCK
 from kvtier.config import StoreConfig, TierSpec
@@ -58,6 +59,8 @@ from kvtier.bench.fio import BUFFERED_STREAMS, fio_files_read, fio_seq_read_run,
 from kvtier.bench.storage_common import (
     GiB,
     MiB,
+    AUTH_MODES,
+    AUTH_SUFFIX,
     FETCH_MODES,
     LENT_MODES,
     NO_COPY_MODES,
@@ -95,7 +98,7 @@ LOOP = "loop"
 OWN_OBJECTS_JOB = "direct-own-objects"
 OWN_OBJECTS_DEPTH = 8
 # Read modes whose loads go through the AIO driver (their reads are traced).
-AIO_MODES = ("direct-aio", "direct-aio-lent", "direct-aio-lent-python", "direct-aio-4k", "direct-aio-fetch")
+AIO_MODES = ("direct-aio", "direct-aio-lent", "direct-aio-lent-python", "direct-aio-4k", "direct-aio-fetch", *AUTH_MODES)
 # The CPU per GB each side is judged by: its cheapest variant (fio's job in
 # the read mode; kvtier's window and read mode) that reads within this
 # fraction of its fastest (_cpu_comparison).
@@ -176,11 +179,14 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
 
-    # 1. data
+    # 1. data, sealed with the benchmark's own cluster key (kept beside the
+    # store, so that a second run on it reads what the first wrote): the
+    # modes with a key check the seals; the others do not look at them.
     t_start = t0 = time.perf_counter()
+    key_file = bench_key_file(root)
     writer_cfg = _shared_spec(store_dir, capacity, 64 * MiB, cfg.io_threads).config
     with SharedTier(writer_cfg) as writer:
-        total_bytes = populate(writer, sessions, cfg, progress, str(writer.dir.root))
+        total_bytes = populate(writer, sessions, cfg, progress, str(writer.dir.root), auth.load_keyring(key_file))
         writer.drop_cache()
     result["data_bytes"] = total_bytes
     result["filesystem"] = _fs_type(store_dir)
@@ -215,7 +221,7 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
     per_load: dict[tuple, list[float]] = {v: [] for v in variants}
     stores = {
         (w, m): TieredStore(StoreConfig(tiers=(_shared_spec(store_dir, capacity, w, cfg.io_threads, m),), promote=False,
-                                        huge_pages=m != "direct-aio-4k"))
+                                        huge_pages=m != "direct-aio-4k", auth_key_file=key_file if m in AUTH_MODES else ""))
         for w, m in variants
     }
     # What each variant loads into: buffers its store lends, the caller's
@@ -381,6 +387,7 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
         result["own_objects_skipped"] = own_skipped
     result.update(_cpu_comparison(result))
     result.update(_store_cost(result))
+    result.update(_auth_cost(result))
 
     # 4. memory tier vs memcpy of the same bytes
     lower = _shared_spec(store_dir, capacity, 64 * MiB, cfg.io_threads)
@@ -389,6 +396,34 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
     result.update(_cpu_floor(result))
     result["seconds"] = time.perf_counter() - t_start
     return result
+
+
+def bench_key_file(root: Path) -> str:
+    """The benchmark's cluster key file in ``root`` (made on first use)."""
+    path = root / "bench.key"
+    if not path.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        auth.write_key_file(str(path), [auth.new_key()])
+    return str(path)
+
+
+def _auth_cost(r: dict) -> dict:
+    """Each mode with a key against the same mode without one, at each
+    window measured with both: the CPU per GB the seal checks add, and
+    each one's cold-load rate against fio's best job."""
+    rows = {}
+    for label, v in r["cold"].items():
+        if v["read_mode"] not in AUTH_MODES:
+            continue
+        plain = next((p for p in r["cold"].values() if p["window_bytes"] == v["window_bytes"]
+                      and p["read_mode"] == v["read_mode"][: -len(AUTH_SUFFIX)]), None)
+        rows[label] = {
+            "read_mode": v["read_mode"], "window_bytes": v["window_bytes"],
+            "cpu_s_per_gb": v["cpu_s_per_gb"], "vs_fio": v["median_gbps"] / r["fio_best_gbps"],
+            **({"plain_cpu_s_per_gb": plain["cpu_s_per_gb"], "plain_vs_fio": plain["median_gbps"] / r["fio_best_gbps"],
+                "added_cpu_s_per_gb": v["cpu_s_per_gb"] - plain["cpu_s_per_gb"]} if plain else {}),
+        }
+    return {"auth": rows} if rows else {}
 
 
 DRIVERS = ("native", "aio", "threads")  # kvtier_load_drivers_total's drivers
@@ -679,6 +714,15 @@ def format_table(r: dict) -> str:
         f"= {r['cpu_vs_fio']:.2f} x fio; kvtier's cost is "
         f"{kv * 10:.1f} cores at 10 GB/s, {kv * 50:.1f} at 50 GB/s"
     )
+    for label, a in r.get("auth", {}).items():
+        if "plain_cpu_s_per_gb" in a:
+            lines.append(
+                f"with a cluster key ({label}): cold load {a['vs_fio']:.2f} x best fio, {a['cpu_s_per_gb']:.3f} s CPU "
+                f"per GB; without one ({a['read_mode'][: -len(AUTH_SUFFIX)]}, same window): {a['plain_vs_fio']:.2f} x, "
+                f"{a['plain_cpu_s_per_gb']:.3f} s: the seal checks add {a['added_cpu_s_per_gb']:+.3f} s per GB")
+        else:
+            lines.append(f"with a cluster key ({label}): cold load {a['vs_fio']:.2f} x best fio, "
+                         f"{a['cpu_s_per_gb']:.3f} s CPU per GB")
     chosen = r["cold"][r["cold_cpu_variant"]]
     if r.get("suggested_read_window_bytes"):
         lines.append(_window_advice(r))

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Sequence
 
 from kvtier.buffers import LoadBuffers, copy_into
-from kvtier.codec import ChunkObject, encode, payload_checksum
+from kvtier.auth import Keyring
+from kvtier.codec import ChunkObject, encode, payload_checksum, seal
 from kvtier.config import StoreConfig, TierSpec
 from kvtier.engine.store import TieredStore
 from kvtier.keys import ChunkKey, Namespace, chunk_keys
@@ -48,14 +49,19 @@ GiB = 1 << 30
 # by the Python AIO driver instead of the native read loop, native_reads:
 # false: the two drivers side by side in one run) and "auto" (adaptive
 # reads: each load by whichever of the two paths read faster lately).
+# "direct-aio-lent-auth" and "direct-aio-fetch-auth" are those two modes
+# with a cluster key (auth_key_file): every object's seal checked as well
+# (kvtier/auth.py), beside the same modes without one.
 READ_MODES = ("direct-aio-lent", "direct-aio-fetch", "direct-aio", "buffered")
+AUTH_SUFFIX = "-auth"
+AUTH_MODES = ("direct-aio-lent-auth", "direct-aio-fetch-auth")
 READ_MODE_CHOICES = ("auto", "direct", "buffered", "direct-aio", "direct-aio-lent", "direct-aio-lent-python",
-                     "direct-aio-4k", "direct-aio-fetch")
-LENT_MODES = ("direct-aio-lent", "direct-aio-lent-python")  # loads into ``TieredStore.load_buffers``
+                     "direct-aio-4k", "direct-aio-fetch", *AUTH_MODES)
+LENT_MODES = ("direct-aio-lent", "direct-aio-lent-python", "direct-aio-lent-auth")  # into ``TieredStore.load_buffers``
 # Loads through ``TieredStore.fetch``: each verified object handed over in
 # the tier's own buffer, one at a time, as vLLM's worker takes them
 # (integrations/vllm/worker.py); the engine's copy out of it is the engine's.
-FETCH_MODES = ("direct-aio-fetch",)
+FETCH_MODES = ("direct-aio-fetch", "direct-aio-fetch-auth")
 NO_COPY_MODES = LENT_MODES + FETCH_MODES  # read and verified in place: kvtier copies nothing
 
 
@@ -140,9 +146,11 @@ def sessions(cfg: StorageBenchConfig, ns: Namespace) -> list[list[ChunkKey]]:
     return out
 
 
-def populate(tier, sessions: list[list[ChunkKey]], cfg: StorageBenchConfig, progress: Progress, where: str) -> int:
+def populate(tier, sessions: list[list[ChunkKey]], cfg: StorageBenchConfig, progress: Progress, where: str,
+             keyring: Keyring | None = None) -> int:
     """Write every chunk through ``tier.store_async`` (skipping those already
-    there). Returns object bytes. ``where`` names the storage in errors."""
+    there), sealed with ``keyring`` if given, as a store with a key file
+    writes them. Returns object bytes. ``where`` names the storage in errors."""
     base = os.urandom(cfg.model.bytes_per_token * cfg.chunk_tokens)
     shape = cfg.model.chunk_shape(cfg.chunk_tokens)
     tick = progress("write chunks", sum(len(s) for s in sessions))
@@ -154,6 +162,8 @@ def populate(tier, sessions: list[list[ChunkKey]], cfg: StorageBenchConfig, prog
             payload = bytearray(base)
             payload[:16] = s.to_bytes(8, "little") + i.to_bytes(8, "little")
             objs.append(encode(k, cfg.model.dtype, shape, payload))
+            if keyring is not None:
+                seal(objs[-1], keyring)
             total += objs[-1].nbytes
         pending.append((tier.store_async(objs), len(objs)))
         while len(pending) > 2:  # bound memory: at most a few sessions in flight

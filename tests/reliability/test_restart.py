@@ -24,6 +24,7 @@ from kvtier.keys import chunk_keys
 from kvtier.metrics import Metrics
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.shared import SharedTier
+from kvtier.version import FORMAT_VERSION
 from tests.support import NS, OBJ, disk_config, obj_for, objs_for, payload_for, shared_config, tokens_for
 
 OTHER_MODEL = dataclasses.replace(NS, model="test/older-model", model_fingerprint="sha256:ff")
@@ -108,7 +109,7 @@ def test_an_older_format_object_under_a_current_name_is_refused(tmp_path, kind):
     tier = opener()
     tier.store(objs_for(keys))
     tier.close()
-    for version in (0, 2):  # older, and newer than this reader
+    for version in (FORMAT_VERSION - 1, FORMAT_VERSION + 1):  # older, and newer than this reader
         path = tier.dir.path(keys[1])
         path.write_bytes(_with_version(bytes(obj_for(keys[1]).buf), version))
         tier = opener()  # restart: the disk tier indexes it like any object

@@ -38,7 +38,8 @@ class RunDef:
     after: Callable[[Ctx], None] | None = None  # after the engine succeeded
     expect_failure: bool = False
     cpus: int = 1  # a tensor-parallel run takes one per rank
-    env: dict[str, str] = field(default_factory=dict)  # e.g. VLLM_ENABLE_V1_MULTIPROCESSING
+    # e.g. VLLM_ENABLE_V1_MULTIPROCESSING; or a function of the context (paths made there)
+    env: dict[str, str] | Callable[[Ctx], dict[str, str]] = field(default_factory=dict)
 
 
 class Runs:
@@ -77,7 +78,8 @@ class Runs:
                 raise AssertionError(f"engine run {name!r} needs {dep!r}, which failed:\n{exc}") from None
         if d.before:
             d.before(self.ctx)
-        run = self.pool.run(d.spec(self.ctx), name, cpus=d.cpus, env=d.env, expect_failure=d.expect_failure)
+        env = d.env(self.ctx) if callable(d.env) else d.env
+        run = self.pool.run(d.spec(self.ctx), name, cpus=d.cpus, env=env, expect_failure=d.expect_failure)
         self.ctx.logs[name] = run.log_path
         if d.after:
             d.after(self.ctx)
