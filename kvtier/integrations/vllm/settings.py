@@ -453,15 +453,18 @@ def layout_name(vllm_config: Any, spec: Any, kv_layout: str | None) -> str:
 def model_fingerprint(vllm_config: Any, mode: str | None = None) -> str:
     """Identity of the weights from their content (``identity.py``):
     ``mode`` None samples the weight files, ``"full"`` hashes every byte
-    (cached); any other string is the fingerprint itself."""
+    (cached); any other string is the fingerprint itself. A hub id is read
+    from the snapshot vLLM downloaded (ConfigError where there is none and
+    no commit is pinned)."""
     from kvtier.integrations.vllm import identity
 
     if mode not in (None, "", "full"):
         return str(mode)
-    mc = vllm_config.model_config
+    mc, lc = vllm_config.model_config, vllm_config.load_config
     return identity.fingerprint(
-        str(mc.model), revision=mc.revision, load_format=str(getattr(vllm_config.load_config, "load_format", "")),
-        dtype=str(mc.dtype), quantization=mc.quantization, full=mode == "full")
+        str(mc.model), revision=mc.revision, load_format=str(getattr(lc, "load_format", "")),
+        dtype=str(mc.dtype), quantization=mc.quantization, full=mode == "full",
+        download_dir=getattr(lc, "download_dir", None))
 
 
 def _tp_rank() -> int:
