@@ -92,6 +92,51 @@ def test_a_size_without_its_unit_is_refused_naming_the_flag(tmp_path):
     assert "20GiB" in kvtier("store", "gc", "--capacity", "20", "--dir", str(tmp_path), check=False).stderr
 
 
+def _without_root_privileges():
+    """In the child: drop the capabilities that let root read and enter
+    folders whatever their mode (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH), so
+    that a mode of 000 stops it as it stops any other user."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (1, 2):
+        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP: gone at exec
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+@pytest.mark.parametrize("locked", [".", "kvtier-v1"])
+def test_a_store_this_user_may_not_read_is_a_message_and_exit_2(tmp_path, locked):
+    populate(tmp_path)
+    folder = tmp_path / locked
+    folder.chmod(0)
+    try:
+        for cmd in (["ls"], ["stat"], ["verify", "--no-progress"], ["gc", "--capacity", "1GiB"]):
+            proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "store", *cmd, "--dir", str(tmp_path)],
+                                  capture_output=True, text=True, timeout=120, preexec_fn=_without_root_privileges)
+            assert proc.returncode == 2, (cmd, proc.stderr)
+            assert "Traceback" not in proc.stderr and "permission denied" in proc.stderr and "Fix:" in proc.stderr
+            assert str(folder.resolve()) in proc.stderr or str(tmp_path) in proc.stderr
+    finally:
+        folder.chmod(0o755)
+
+
+def test_a_reader_gone_away_ends_ls_quietly(tmp_path):
+    """``kvtier store ls | head``: once the reader has gone, the listing stops
+    without a traceback, as ``ls`` does."""
+    populate(tmp_path)
+    r, w = os.pipe()
+    os.close(r)  # the reader is gone before the first line
+    try:
+        proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "store", "ls", "--dir", str(tmp_path)],
+                              stdout=w, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(w)
+    assert proc.returncode == 141 and proc.stderr == ""
+    shell = subprocess.run(f"{sys.executable} -m kvtier.cli store ls --dir {tmp_path} | head -n 1",
+                           shell=True, capture_output=True, text=True, timeout=120)
+    assert len(shell.stdout.splitlines()) == 1 and "Error" not in shell.stderr
+
+
 def _tree(root) -> dict:
     """Every path under ``root`` with its size and mtime (what "touched" means)."""
     out = {}
