@@ -11,11 +11,12 @@ from kvtier.errors import ConfigError
 
 
 def size(text: str) -> int:
-    """Bytes: ``2GiB``, ``512MiB``, ``10GB``, ``1048576``."""
+    """Bytes: ``2GiB``, ``512MiB``, ``10GB``, ``4096B``; a number without
+    its unit is refused (argparse names the flag)."""
     try:
         return parse_size(text, "size")
     except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+        raise argparse.ArgumentTypeError(f"{exc.problem}; {exc.fix}") from None
 
 
 def sizes(text: str) -> tuple[int, ...]:

@@ -15,13 +15,17 @@ when they run, so that ``kvtier --help`` loads none of it. No kvtier module
 imports this one (``tests/test_imports.py``).
 
 Exit codes: 0 ok, 1 a check failed (verify found bad objects), 2 bad usage or
-configuration (the message names the key and the fix).
+configuration (the message names the key and the fix) or a file or folder
+this user may not read or write (the message names it), 141 the reader of
+the output went away (``kvtier store ls | head``: quietly, as ``ls`` does
+when SIGPIPE ends it).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from kvtier import authcli, serve
@@ -53,10 +57,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return args.func(args)
+        status = args.func(args)
+        sys.stdout.flush()  # here, so that a reader gone away is caught below, not at exit
+        return status
     except ConfigError as exc:
         print(f"kvtier: {exc}", file=sys.stderr)
         return 2
+    except PermissionError as exc:
+        where = exc.filename if exc.filename is not None else "a file it needs"
+        print(f"kvtier: cannot access {where}: permission denied. Fix: run as a user who may "
+              "(the folder's owner), or give this user access to it", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        # Whatever is still buffered has nowhere to go: point stdout at
+        # /dev/null so that the interpreter's last flush does not fail too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except KeyboardInterrupt:
         return 130
 

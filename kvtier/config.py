@@ -27,26 +27,47 @@ from kvtier.errors import ConfigError
 MiB = 1 << 20
 GiB = 1 << 30
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
+# A number, then a unit: K, M, G, T, P with an optional "i" and/or "B"
+# ("8G", "8Gi" and "8GiB" are binary, "8GB" decimal), or "B" alone (bytes).
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgtp])(i|ib|b)?|(b))\s*$", re.IGNORECASE)
 _UNITS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
+_SIZE_FIX = "write a size with its unit, such as 8GiB, 512MiB, 10GB or 4096B"
 
 
 def parse_size(value: Any, key: str) -> int:
-    """Bytes from ``1048576``, ``"512MiB"``, ``"8G"`` (binary) or ``"10GB"`` (decimal)."""
-    if isinstance(value, bool):
-        raise ConfigError(key, f"expected a size, got {value!r}", "write a byte count such as 8GiB or 500MB")
-    if isinstance(value, (int, float)):
-        n = int(value)
-    else:
-        m = _SIZE.match(str(value))
-        if not m:
-            raise ConfigError(key, f"cannot read size {value!r}", "write a byte count such as 8GiB, 512MiB or 10GB")
-        number, unit, suffix = float(m.group(1)), m.group(2).lower(), m.group(3).lower()
-        base = 1000 if suffix == "b" and unit else 1024
-        n = int(number * base ** _UNITS[unit])
-    if n < 0:
-        raise ConfigError(key, f"size {value!r} is negative", "use a positive size")
-    return n
+    """Bytes from ``"512MiB"``, ``"8G"`` or ``"8GiB"`` (binary), ``"10GB"``
+    (decimal) or ``"4096B"`` (bytes). A number without its unit is refused
+    (``20`` could mean bytes or GiB; only ``0`` means the same in every
+    unit), as is anything that is not a finite size."""
+    if isinstance(value, bool) or value is None:
+        raise ConfigError(key, f"expected a size, got {value!r}", _SIZE_FIX)
+    if isinstance(value, (int, float)) or (isinstance(value, str) and _NUMBER.match(value)):
+        number = value if isinstance(value, int) else float(value)
+        if number == 0:
+            return 0
+        if isinstance(number, float) and not math.isfinite(number):
+            raise ConfigError(key, f"size {value!r} is not a finite number of bytes", _SIZE_FIX)
+        if number < 0:
+            raise ConfigError(key, f"size {value!r} is negative", "use a positive size")
+        shown = str(value).strip()
+        fix = (f"write the unit, e.g. {shown}GiB, {shown}MB, or {shown}B for bytes"
+               if re.fullmatch(r"\d+(\.\d+)?", shown) else _SIZE_FIX)
+        raise ConfigError(key, f"size {shown!r} has no unit", fix)
+    if not isinstance(value, str):
+        raise ConfigError(key, f"expected a size, got {type(value).__name__} {value!r}", _SIZE_FIX)
+    m = _SIZE.match(value)
+    if not m:
+        if value.strip().startswith("-"):
+            raise ConfigError(key, f"size {value!r} is negative", "use a positive size")
+        raise ConfigError(key, f"cannot read size {value!r}", _SIZE_FIX)
+    unit, suffix = (m.group(2) or "").lower(), (m.group(3) or "").lower()
+    n = float(m.group(1)) * (1000 if suffix == "b" else 1024) ** _UNITS[unit]
+    if not math.isfinite(n):
+        raise ConfigError(key, f"size {value!r} is not a finite number of bytes", _SIZE_FIX)
+    return int(n)
+
+
+_NUMBER = re.compile(r"^\s*[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?\s*$|^\s*[-+]?(inf|infinity|nan)\s*$", re.IGNORECASE)
 
 
 def parse_bool(value: Any, key: str) -> bool:
@@ -131,6 +152,10 @@ def _unit(key: str) -> str:
 
 
 def _coerce(value: Any, hint: Any, f: dataclasses.Field, key: str) -> Any:
+    """``value`` as the type of its key. Strings are read (environment
+    variables and URL options are text); other types are taken only where
+    nothing is lost or guessed: no bool for a number (``True`` is an int in
+    Python), no fraction for an integer, nothing but a string for a string."""
     if f.metadata.get("size"):
         return parse_size(value, key)
     origin = typing.get_origin(hint)
@@ -142,13 +167,46 @@ def _coerce(value: Any, hint: Any, f: dataclasses.Field, key: str) -> Any:
     if hint is bool:
         return parse_bool(value, key)
     if hint in (int, float):
-        try:
-            return hint(value)
-        except (TypeError, ValueError):
-            raise ConfigError(key, f"expected a {hint.__name__}, got {value!r}", f"write a {hint.__name__}") from None
+        return _number(value, hint, key)
     if hint is str:
-        return str(value)
+        if isinstance(value, str):
+            return value
+        # A number is refused too: YAML reads 0123 as 83 and 1e3 as text,
+        # so what it made of an unquoted value is not what was written.
+        shown = _shown(value) if f.repr else f"a {type(value).__name__} (a secret's value is never shown)"
+        raise ConfigError(key, f"expected a string, got {shown}",
+                          f"write {key} as a string (in quotes if it looks like a number), or leave it out for its default")
     return value
+
+
+def _number(value: Any, hint: type, key: str) -> int | float:
+    word = "a whole number" if hint is int else "a number"
+    if isinstance(value, str):
+        try:
+            return hint(value.strip())
+        except ValueError:
+            pass
+    elif isinstance(value, int) and not isinstance(value, bool):
+        return hint(value)
+    elif isinstance(value, float) and (hint is float or value.is_integer()):
+        return hint(value)
+    raise ConfigError(key, f"expected {word}, got {_shown(value)}", f"write {word} for {key}")
+
+
+def _shown(value: Any) -> str:
+    return repr(value) if isinstance(value, (str, int, float)) or value is None else f"{type(value).__name__} {value!r}"
+
+
+# A tier's name becomes a folder's name (the node memory tier's), a metrics
+# label and an environment variable's suffix: letters, digits, "_", "-" and
+# ".", never a path.
+_TIER_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
+
+
+def check_tier_name(name: str, key: str) -> None:
+    if not _TIER_NAME.fullmatch(name):
+        raise ConfigError(key, f"tier name {name!r} is not a plain name",
+                          "use up to 64 letters, digits, '_', '-' and '.', starting with a letter, digit or '_'")
 
 
 # ---------------------------------------------------------------- store config
@@ -211,7 +269,9 @@ def parse_tier(spec: Any, key: str) -> TierSpec:
         raise ConfigError(f"{key}.kind", "is required", f"set kind to one of: {', '.join(registry.kinds())}")
     cfg_cls = registry.config_class(str(kind), f"{key}.kind")
     values.setdefault("name", registry.default_name(str(kind)))
-    return TierSpec(str(kind), build(cfg_cls, values, f"{key}."))
+    cfg = build(cfg_cls, values, f"{key}.")
+    check_tier_name(str(cfg.name), f"{key}.name")
+    return TierSpec(str(kind), cfg)
 
 
 def parse_tier_url(url: str, key: str) -> dict[str, Any]:
@@ -349,6 +409,9 @@ def load_config(
     env = os.environ if environ is None else environ
     values: dict[str, Any] = {}
     path = path or env.get("KVTIER_CONFIG")
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise ConfigError("config", f"expected the path of a config file, got {_shown(path)}",
+                          "write the file's path, e.g. /etc/kvtier.yaml")
     if path:
         values.update(load_file(path))
     values.update(env_values(env))
@@ -364,9 +427,14 @@ def parse_store_config(values: Mapping[str, Any], environ: Mapping[str, str] | N
     # The vLLM connector's own section (integrations/vllm/settings.py reads
     # and checks it): not a store key.
     values.pop("vllm", None)
-    raw_tiers = values.get("tiers") or []
-    if isinstance(raw_tiers, (str, Mapping)):
+    raw_tiers = values.get("tiers")
+    if raw_tiers is None:
+        raw_tiers = []
+    elif isinstance(raw_tiers, (str, Mapping)):
         raw_tiers = [raw_tiers]
+    elif not isinstance(raw_tiers, (list, tuple)):
+        raise ConfigError("tiers", f"expected a list of tiers, got {_shown(raw_tiers)}",
+                          "write e.g. tiers: [{kind: memory, capacity: 4GiB}], or tier URLs")
     values["tiers"] = tuple(parse_tier(t, f"tiers[{i}]") for i, t in enumerate(raw_tiers))
     if environ is not None:
         _secrets_from_env(values, environ)

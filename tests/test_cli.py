@@ -68,10 +68,10 @@ def test_store_gc_collects_least_recently_used(tmp_path):
         os.utime(p, (1000 + i, 1000 + i))
     size = objs[0].nbytes
     capacity = 8 * size  # usage 10/8 > high watermark; collect to <= 0.5 * 8 = 4 objects
-    proc = kvtier("store", "gc", "--dir", str(tmp_path), "--capacity", str(capacity),
+    proc = kvtier("store", "gc", "--dir", str(tmp_path), "--capacity", f"{capacity}B",
                   "--high-watermark", "0.9", "--low-watermark", "0.5", "--dry-run")
     assert "would delete 6" in proc.stdout and all(p.exists() for p in paths)
-    proc = kvtier("store", "gc", "--dir", str(tmp_path), "--capacity", str(capacity),
+    proc = kvtier("store", "gc", "--dir", str(tmp_path), "--capacity", f"{capacity}B",
                   "--high-watermark", "0.9", "--low-watermark", "0.5")
     assert "deleted 6" in proc.stdout
     assert [p.exists() for p in paths] == [False] * 6 + [True] * 4
@@ -82,6 +82,59 @@ def test_store_gc_needs_capacity_and_sane_watermarks(tmp_path):
     assert proc.returncode == 2 and "--capacity" in proc.stderr and "Fix:" in proc.stderr
     proc = kvtier("store", "gc", "--dir", str(tmp_path), "--capacity", "1GiB", "--low-watermark", "0.99", check=False)
     assert proc.returncode == 2 and "low_watermark" in proc.stderr
+
+
+def test_a_size_without_its_unit_is_refused_naming_the_flag(tmp_path):
+    populate(tmp_path)
+    for cmd in (["gc", "--capacity", "20"], ["stat", "--capacity", "20"], ["gc", "--capacity", "inf"]):
+        proc = kvtier("store", *cmd, "--dir", str(tmp_path), check=False)
+        assert proc.returncode == 2 and "--capacity" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert "20GiB" in kvtier("store", "gc", "--capacity", "20", "--dir", str(tmp_path), check=False).stderr
+
+
+def _without_root_privileges():
+    """In the child: drop the capabilities that let root read and enter
+    folders whatever their mode (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH), so
+    that a mode of 000 stops it as it stops any other user."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (1, 2):
+        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP: gone at exec
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+@pytest.mark.parametrize("locked", [".", "kvtier-v1"])
+def test_a_store_this_user_may_not_read_is_a_message_and_exit_2(tmp_path, locked):
+    populate(tmp_path)
+    folder = tmp_path / locked
+    folder.chmod(0)
+    try:
+        for cmd in (["ls"], ["stat"], ["verify", "--no-progress"], ["gc", "--capacity", "1GiB"]):
+            proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "store", *cmd, "--dir", str(tmp_path)],
+                                  capture_output=True, text=True, timeout=120, preexec_fn=_without_root_privileges)
+            assert proc.returncode == 2, (cmd, proc.stderr)
+            assert "Traceback" not in proc.stderr and "permission denied" in proc.stderr and "Fix:" in proc.stderr
+            assert str(folder.resolve()) in proc.stderr or str(tmp_path) in proc.stderr
+    finally:
+        folder.chmod(0o755)
+
+
+def test_a_reader_gone_away_ends_ls_quietly(tmp_path):
+    """``kvtier store ls | head``: once the reader has gone, the listing stops
+    without a traceback, as ``ls`` does."""
+    populate(tmp_path)
+    r, w = os.pipe()
+    os.close(r)  # the reader is gone before the first line
+    try:
+        proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "store", "ls", "--dir", str(tmp_path)],
+                              stdout=w, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(w)
+    assert proc.returncode == 141 and proc.stderr == ""
+    shell = subprocess.run(f"{sys.executable} -m kvtier.cli store ls --dir {tmp_path} | head -n 1",
+                           shell=True, capture_output=True, text=True, timeout=120)
+    assert len(shell.stdout.splitlines()) == 1 and "Error" not in shell.stderr
 
 
 def _tree(root) -> dict:
@@ -116,7 +169,7 @@ def test_looking_touches_nothing_and_works_on_a_read_only_mount(tmp_path):
     stale.write_bytes(b"x")
     os.utime(stale, (1, 1))
     before = _tree(tmp_path / "store")
-    capacity = str(8 * objs[0].nbytes)
+    capacity = f"{8 * objs[0].nbytes}B"
     assert kvtier("store", "stat", "--dir", str(tmp_path / "store"), "--json").returncode == 0
     assert len(kvtier("store", "ls", "--dir", str(tmp_path / "store")).stdout.splitlines()) == 10
     assert "0 bad" in kvtier("store", "verify", "--dir", str(tmp_path / "store"), "--no-progress").stdout
@@ -231,7 +284,7 @@ def test_verify_and_gc_refuse_a_running_engines_disk_tier_and_work_once_it_stopp
         assert _consume(engine, c.keys[:1]) == 1  # chunk 0 is now the most recently used
         before = _tree(tmp_path)
         for cmd in (["verify", "--no-progress"], ["verify", "--no-progress", "--quarantine"],
-                    ["gc", "--capacity", str(8 * OBJ)], ["gc", "--capacity", str(8 * OBJ), "--dry-run"]):
+                    ["gc", "--capacity", f"{8 * OBJ}B"], ["gc", "--capacity", f"{8 * OBJ}B", "--dry-run"]):
             proc = kvtier("store", *cmd, "--dir", str(tmp_path), check=False)
             assert proc.returncode == 2, (cmd, proc.stdout, proc.stderr)
             assert "disk tier of a running kvtier engine" in proc.stderr and "disk.lock" in proc.stderr, proc.stderr
@@ -244,10 +297,10 @@ def test_verify_and_gc_refuse_a_running_engines_disk_tier_and_work_once_it_stopp
         engine.close()
 
     assert "verified 10 objects; 0 bad" in kvtier("store", "verify", "--dir", str(tmp_path), "--no-progress").stdout
-    proc = kvtier("store", "gc", "--dir", str(tmp_path), "--capacity", str(8 * OBJ), "--dry-run", check=False)
+    proc = kvtier("store", "gc", "--dir", str(tmp_path), "--capacity", f"{8 * OBJ}B", "--dry-run", check=False)
     assert proc.returncode == 2 and "--dry-run" in proc.stderr and "access log" in proc.stderr
     # The tier's own eviction, by its access log: the reads count, not the files' mtimes.
-    out = kvtier("store", "gc", "--dir", str(tmp_path), "--capacity", str(8 * OBJ),
+    out = kvtier("store", "gc", "--dir", str(tmp_path), "--capacity", f"{8 * OBJ}B",
                  "--high-watermark", "0.9", "--low-watermark", "0.5").stdout
     assert "deleted 6" in out
     again = DiskTier(disk_config(tmp_path, 64 * OBJ))
@@ -269,7 +322,7 @@ def test_verify_and_gc_work_on_a_shared_directory_engines_are_using(tmp_path):
             os.utime(p, (1000 + i, 1000 + i))
         assert "verified 10 objects; 0 bad" in kvtier("store", "verify", "--dir", str(tmp_path), "--no-progress",
                                                      "--quarantine").stdout
-        out = kvtier("store", "gc", "--dir", str(tmp_path), "--capacity", str(8 * OBJ),
+        out = kvtier("store", "gc", "--dir", str(tmp_path), "--capacity", f"{8 * OBJ}B",
                      "--high-watermark", "0.9", "--low-watermark", "0.5").stdout
         assert "deleted 6" in out
         assert [engines[0].lookup([k]) for k in c.keys] == [0] * 6 + [1] * 4
@@ -289,7 +342,7 @@ def test_a_node_memory_tier_is_only_looked_at(tmp_path):
     try:
         assert tier.store(make_chunks(3).objs) == 3
         assert "verified 3 objects; 0 bad" in kvtier("store", "verify", "--dir", folder, "--no-progress").stdout
-        for cmd in (["verify", "--no-progress", "--quarantine"], ["gc", "--capacity", str(OBJ)]):
+        for cmd in (["verify", "--no-progress", "--quarantine"], ["gc", "--capacity", f"{OBJ}B"]):
             proc = kvtier("store", *cmd, "--dir", folder, check=False)
             assert proc.returncode == 2 and "node memory tier" in proc.stderr and "Fix:" in proc.stderr, proc.stderr
         assert tier.stats().objects == 3

@@ -39,7 +39,7 @@ BAD = {
     "unknown tier key in a URL": ({"tiers": ["memory://?capacity=1GiB&colour=red"]}, "tiers[0].colour"),
     "unknown store key": ({"tiers": [MEM], "chunk_size": 16}, "chunk_size"),
     "bad size string": ({"tiers": [{"kind": "memory", "capacity": "12 parsecs"}]}, "tiers[0].capacity"),
-    "negative size": ({"tiers": [{"kind": "memory", "capacity": -5}]}, "tiers[0].capacity"),
+    "negative size": ({"tiers": [{"kind": "memory", "capacity": "-5GiB"}]}, "tiers[0].capacity"),
     "boolean size": ({"tiers": [{"kind": "memory", "capacity": True}]}, "tiers[0].capacity"),
     "bad store size": ({"tiers": [MEM], "save_queue_bytes": "lots"}, "save_queue_bytes"),
     "memory without capacity": ({"tiers": [{"kind": "memory"}]}, "tiers[0].capacity"),
@@ -86,6 +86,33 @@ BAD = {
     "s3 zero attempts": ({"tiers": [{"kind": "s3", "location": "bucket/p", "capacity": "1GiB", "max_attempts": 0}]},
                          "tiers[0].max_attempts"),
     "shm zero io threads": ({"tiers": [{"kind": "shm", "capacity": "1GiB", "io_threads": 0}]}, "tiers[0].io_threads"),
+    # Sizes need their unit; values of the wrong type are refused, never coerced.
+    "size without a unit": ({"tiers": [{"kind": "memory", "capacity": 20}]}, "tiers[0].capacity"),
+    "size string without a unit": ({"tiers": [{"kind": "memory", "capacity": "20"}]}, "tiers[0].capacity"),
+    "size in a URL without a unit": ({"tiers": ["memory://?capacity=20"]}, "tiers[0].capacity"),
+    "infinite size": ({"tiers": [{"kind": "memory", "capacity": float("inf")}]}, "tiers[0].capacity"),
+    "NaN size": ({"tiers": [{"kind": "memory", "capacity": float("nan")}]}, "tiers[0].capacity"),
+    "size too large for a float": ({"tiers": [{"kind": "memory", "capacity": "9" * 400 + "GiB"}]}, "tiers[0].capacity"),
+    "store size without a unit": ({"tiers": [MEM], "save_queue_bytes": 1048576}, "save_queue_bytes"),
+    "tiers not a list": ({"tiers": 5}, "tiers"),
+    "tiers a boolean": ({"tiers": True}, "tiers"),
+    "chunk tokens a boolean": ({"tiers": [MEM], "chunk_tokens": True}, "chunk_tokens"),
+    "chunk tokens a fraction": ({"tiers": [MEM], "chunk_tokens": 256.5}, "chunk_tokens"),
+    "chunk tokens a list": ({"tiers": [MEM], "chunk_tokens": [256]}, "chunk_tokens"),
+    "threshold a boolean": ({"tiers": [MEM], "breaker_threshold": True}, "breaker_threshold"),
+    "timeout a boolean": ({"tiers": [MEM], "load_timeout_s": True}, "load_timeout_s"),
+    "infinite timeout from YAML": ({"tiers": [MEM], "load_timeout_s": float("inf")}, "load_timeout_s"),
+    "io threads a boolean": ({"tiers": [{"kind": "disk", "path": "/x", "capacity": "1GiB", "io_threads": True}]},
+                             "tiers[0].io_threads"),
+    "path null": ({"tiers": [{"kind": "disk", "path": None, "capacity": "1GiB"}]}, "tiers[0].path"),
+    "path a list": ({"tiers": [{"kind": "shared", "path": ["/x"], "capacity": "1GiB"}]}, "tiers[0].path"),
+    "name null": ({"tiers": [dict(MEM, name=None)]}, "tiers[0].name"),
+    "node memory dir null": ({"tiers": [MEM], "node_memory_dir": None}, "node_memory_dir"),
+    "tier name escaping its folder": ({"tiers": [dict(MEM, name="../x")]}, "tiers[0].name"),
+    "tier name with a slash": ({"tiers": [dict(MEM, name="a/b")]}, "tiers[0].name"),
+    "hidden tier name": ({"tiers": [dict(MEM, name=".x")]}, "tiers[0].name"),
+    "tier name in a URL escaping its folder": ({"tiers": ["memory://?capacity=1GiB&name=.."]}, "tiers[0].name"),
+    "empty tier name": ({"tiers": [dict(MEM, name="")]}, "tiers[0].name"),
 }
 
 
@@ -147,15 +174,18 @@ def test_capacity_smaller_than_one_chunk(tmp_path):
 
 @pytest.mark.parametrize(
     "text,expect",
-    [(4096, 4096), ("4096", 4096), ("1k", 1024), ("1KiB", 1024), ("1.5KiB", 1536), ("512MiB", 512 * MiB),
+    [("4096B", 4096), ("4096 b", 4096), ("1k", 1024), ("1Ki", 1024), ("1KiB", 1024), ("1.5KiB", 1536), ("512MiB", 512 * MiB),
      ("8G", 8 * GiB), ("8 GiB", 8 * GiB), ("10GB", 10 * 10**9), ("1MB", 10**6), ("2TiB", 2 << 40),
-     ("1tb", 10**12), (" 3 m ", 3 * MiB), (0, 0)],
+     ("1tb", 10**12), (" 3 m ", 3 * MiB), (0, 0), ("0", 0)],
 )
 def test_sizes(text, expect):
     assert parse_size(text, "k") == expect
 
 
-@pytest.mark.parametrize("text", ["", "GiB", "1.2.3G", "1XB", "-1G", "ten", None, False])
+@pytest.mark.parametrize("text", ["", "GiB", "1.2.3G", "1XB", "-1G", "ten", None, False, True, 4096, "4096", 1.5,
+                                  float("inf"), float("-inf"), float("nan"), "inf", pytest.param(10**400, id="10**400"),
+                                  pytest.param("1" * 400 + "TiB", id="1e400TiB"),
+                                  [1], {"a": 1}, "20i"])
 def test_bad_sizes(text):
     with pytest.raises(ConfigError) as exc:
         parse_size(text, "some.key")
@@ -163,6 +193,22 @@ def test_bad_sizes(text):
 
 
 # ---------------------------------------------------------------- tiers and types
+
+
+def test_a_size_without_its_unit_names_the_fix_with_the_number():
+    with pytest.raises(ConfigError) as exc:
+        parse_size(20, "tiers[0].capacity")
+    assert "no unit" in exc.value.problem and "20GiB" in exc.value.fix and "20B" in exc.value.fix
+
+
+def test_what_is_left_is_read_exactly():
+    cfg = parse_store_config({"tiers": [dict(MEM, name="mem-0.fast_1")], "chunk_tokens": 256.0,
+                              "load_timeout_s": 3, "node_memory_dir": "/dev/shm/x"})
+    assert cfg.chunk_tokens == 256 and cfg.load_timeout_s == 3.0 and cfg.tiers[0].config.name == "mem-0.fast_1"
+    # YAML reads an unquoted 0123 as 83: a number is never taken for a string.
+    with pytest.raises(ConfigError) as exc:
+        parse_store_config({"tiers": [{"kind": "redis", "address": "h:1", "capacity": "1GiB", "password": 83}]})
+    assert exc.value.key == "tiers[0].password" and "quotes" in exc.value.fix and "83" not in exc.value.problem
 
 
 def test_tier_urls_and_mappings_are_equivalent():

@@ -115,6 +115,25 @@ def test_cli_bad_config_exits_2(tmp_path, capsys):
     assert "tiers[0].capacity" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("text,key", [
+    ("tiers: [{kind: memory, capacity: .inf}]", "tiers[0].capacity"),
+    ("tiers: [{kind: memory, capacity: 20}]", "tiers[0].capacity"),
+    ("tiers: [{kind: memory, capacity: '20'}]", "tiers[0].capacity"),
+    ("tiers: 5", "tiers"),
+    ("tiers: [{kind: memory, capacity: 1GiB}]\nchunk_tokens: true", "chunk_tokens"),
+    ("tiers: [{kind: disk, path: null, capacity: 1GiB}]", "tiers[0].path"),
+    ("tiers: [{kind: memory, capacity: 1GiB, name: ../x}]", "tiers[0].name"),
+    ("tiers: [{kind: memory, capacity: 1GiB}]\nload_timeout_s: .nan", "load_timeout_s"),
+])
+def test_cli_wrong_values_and_types_exit_2_naming_the_key(tmp_path, capsys, text, key):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text + "\n")
+    assert main(["serve", "m", "--config", str(bad), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert f"'{key}'" in err and "Fix:" in err and "Traceback" not in err
+    assert not (tmp_path / "None").exists() and not Path("None").exists()
+
+
 # ------------------------------------------------------------------ supervision
 
 FAKE_SERVER = textwrap.dedent("""

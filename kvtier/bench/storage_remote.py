@@ -75,8 +75,8 @@ def tier_spec(url: str, cfg: StorageBenchConfig, window: int) -> TierSpec:
     kind = values["kind"]
     if kind not in KINDS:
         raise ConfigError("--tier", f"{kind}:// is not a network tier", "use --dir for directories; --tier takes redis:// or s3://")
-    values.setdefault("capacity", 4 * cfg.size_bytes + GiB)
-    values["read_window_bytes"] = window
+    values.setdefault("capacity", f"{4 * cfg.size_bytes + GiB}B")
+    values["read_window_bytes"] = f"{window}B"
     values["io_threads"] = cfg.io_threads
     values.setdefault("name", kind)
     if kind == "redis":

@@ -35,7 +35,7 @@ def open_store(tmp_path, metrics):
     def open_(tiers=("memory", "disk", "shared"), capacity=64 * OBJ, **opts):
         specs = []
         for kind in tiers:
-            spec = {"kind": kind, "capacity": capacity}
+            spec = {"kind": kind, "capacity": f"{capacity}B"}
             if kind != "memory":
                 spec.update(path=str(tmp_path / kind), io_threads=4)
             if kind == "shared":
@@ -282,7 +282,7 @@ def test_save_writes_through_to_every_tier(open_store):
 
 
 def test_save_returns_while_writes_are_stuck_and_drops_what_the_queue_cannot_take(open_store, metrics, write_gate):
-    store = open_store(save_queue_bytes=2 * OBJ)
+    store = open_store(save_queue_bytes=f"{2 * OBJ}B")
     c = make_chunks(4)
     t0 = time.monotonic()
     assert store.save(c.keys[:1], c.payloads[:1], DTYPE, c.shapes[:1]) == 1
@@ -317,7 +317,7 @@ def test_save_returns_while_writes_are_stuck_and_drops_what_the_queue_cannot_tak
 
 
 def test_a_queue_smaller_than_one_object_drops_every_write_through(open_store, metrics):
-    store = open_store(save_queue_bytes=1)
+    store = open_store(save_queue_bytes="1B")
     c = make_chunks(3)
     assert store.save(c.keys, c.payloads, DTYPE, c.shapes) == 3
     assert store.flush(10)
@@ -330,7 +330,7 @@ def test_a_queue_smaller_than_one_object_drops_every_write_through(open_store, m
 def test_after_flush_the_backlog_is_free(open_store, metrics):
     # flush() returns only once finished jobs have given their room back, so
     # a save right after it is never dropped for a full queue.
-    store = open_store(tiers=("disk",), save_queue_bytes=OBJ)
+    store = open_store(tiers=("disk",), save_queue_bytes=f"{OBJ}B")
     c = make_chunks(40)
     for i in range(40):
         store.save(c.keys[i : i + 1], c.payloads[i : i + 1], DTYPE, c.shapes[i : i + 1])

@@ -38,10 +38,10 @@ def _ikey(k) -> int:
 @pytest.fixture
 def pair(tmp_path):
     specs = [
-        {"kind": "memory", "capacity": MEM},
+        {"kind": "memory", "capacity": f"{MEM}B"},
         # One I/O thread: reads and writes run in key order, as in the model.
-        {"kind": "disk", "capacity": DISK, "path": str(tmp_path / "disk"), "io_threads": 1},
-        {"kind": "shared", "capacity": SHARED, "path": str(tmp_path / "shared"), "io_threads": 1,
+        {"kind": "disk", "capacity": f"{DISK}B", "path": str(tmp_path / "disk"), "io_threads": 1},
+        {"kind": "shared", "capacity": f"{SHARED}B", "path": str(tmp_path / "shared"), "io_threads": 1,
          "gc_interval_s": 0, "touch_interval_s": 0, "high_watermark": HIGH, "low_watermark": LOW},
     ]
     store = TieredStore(parse_store_config({"tiers": specs, "chunk_tokens": NS.chunk_tokens}))

@@ -44,9 +44,9 @@ def pair(tmp_path):
     from kvtier.integrations.vllm.settings import Settings, Topology
 
     specs = [
-        {"kind": "memory", "capacity": MEM},
-        {"kind": "disk", "capacity": DISK, "path": str(tmp_path / "disk"), "io_threads": 1},
-        {"kind": "shared", "capacity": SHARED, "path": str(tmp_path / "shared"), "io_threads": 1,
+        {"kind": "memory", "capacity": f"{MEM}B"},
+        {"kind": "disk", "capacity": f"{DISK}B", "path": str(tmp_path / "disk"), "io_threads": 1},
+        {"kind": "shared", "capacity": f"{SHARED}B", "path": str(tmp_path / "shared"), "io_threads": 1,
          "gc_interval_s": 0, "touch_interval_s": 0, "high_watermark": HIGH, "low_watermark": LOW},
     ]
     cfg = parse_store_config({"tiers": specs, "chunk_tokens": C})

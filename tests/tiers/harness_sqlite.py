@@ -26,7 +26,7 @@ class SqliteHarness(Harness):
 
     def _open(self, capacity):
         spec = parse_tier({"kind": "kvtier_sqlite:SqliteTier", "path": str(self.path / "kv.db"),
-                           "capacity": capacity, "name": self.name}, "tiers[0]")
+                           "capacity": f"{capacity}B", "name": self.name}, "tiers[0]")
         return registry.resolve(spec.kind)(spec.config, self.metrics)
 
 

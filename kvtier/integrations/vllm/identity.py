@@ -27,9 +27,21 @@ version: the digest is cached in ``$XDG_CACHE_HOME/kvtier/digests.json``
 know when to hash again; they never enter the identity). Any other string
 given as ``model_fingerprint`` is used as is.
 
+A model named by its hub id is fingerprinted the same way, from the snapshot
+vLLM loaded: the folder ``snapshots/COMMIT`` of its Hugging Face cache
+(vLLM's ``download_dir`` when one is set, else ``HF_HUB_CACHE``), COMMIT
+being the pinned revision or what ``refs/REVISION`` (default ``main``)
+names. Two nodes with other snapshots of one id hold other weights and so
+share nothing; the commit a branch resolves to does not enter (only the
+revision as vLLM was given it), so nodes that downloaded the same weights at
+different commits share. Where no snapshot with weight
+files is found, a revision pinned to a commit hash stands for the content;
+without one the model is refused (``ConfigError``): an id alone names
+whatever the hub served each node.
+
 Paths, mtimes and the model's local directory name never enter the
 namespace: ``model_name`` is the hub id for a hub model and ``local`` for a
-directory (the fingerprint tells directories apart).
+directory or file (the fingerprint tells them apart).
 """
 
 from __future__ import annotations
@@ -37,9 +49,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import struct
 import threading
 from pathlib import Path
+
+from kvtier.errors import ConfigError
 
 VERSION = "kvtier-model-v2"
 SAMPLE_BYTES = 64 << 10
@@ -48,16 +63,21 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
                     "vocab.json", "merges.txt")
 _OTHER_WEIGHTS = (".bin", ".pt", ".pth", ".gguf")
 _MAX_HEADER = 100 << 20  # safetensors' own limit on the header size
+_COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
 def model_name(model: str) -> str:
     """What the namespace's ``model`` field holds: never a local path."""
-    return "local" if Path(model).is_dir() else model
+    return "local" if Path(model).exists() else model
 
 
 def fingerprint(model: str, *, revision: str | None = None, load_format: str = "", dtype: str = "",
-                quantization: str | None = None, full: bool = False) -> str:
-    """The weights' identity (hex SHA-256); see the module docstring."""
+                quantization: str | None = None, full: bool = False, download_dir: str | None = None) -> str:
+    """The weights' identity (hex SHA-256); see the module docstring.
+    ``download_dir``: vLLM's (``LoadConfig.download_dir``), where it keeps
+    hub snapshots instead of Hugging Face's cache. Raises ConfigError for a
+    hub id whose snapshot is not on this node and whose revision is not a
+    commit hash."""
     h = hashlib.sha256()
 
     def field(tag: str, data: bytes) -> None:
@@ -69,9 +89,22 @@ def fingerprint(model: str, *, revision: str | None = None, load_format: str = "
     field("quantization", str(quantization or "").encode())
     field("revision", str(revision or "").encode())
     root = Path(model)
-    if not root.is_dir():
-        field("hub_id", model.encode())
+    if root.is_file():  # a single-file checkpoint (GGUF)
+        field(f"weights:{root.suffix}", _full_digest(root) if full else _sampled(root))
         return h.hexdigest()
+    if not root.is_dir():
+        snapshot = hub_snapshot(model, revision, download_dir, weights=load_format != "dummy")
+        if snapshot is None:
+            if load_format != "dummy" and not _COMMIT.fullmatch(revision or ""):
+                raise ConfigError(
+                    "model", f"no snapshot of hub model {model!r} with weight files in "
+                    f"{_hub_cache(download_dir)}, and no commit pinned: its identity would be the id alone, "
+                    "which names whatever the hub served each node",
+                    "pin the commit (vLLM --revision <40-hex commit hash>), or set model_fingerprint in "
+                    "kv_connector_extra_config to a string that names these weights")
+            field("hub_id", model.encode())
+            return h.hexdigest()
+        root = snapshot
     config = root / "config.json"
     if config.is_file():
         field("config", _canonical_config(config))
@@ -86,9 +119,51 @@ def fingerprint(model: str, *, revision: str | None = None, load_format: str = "
             continue
         if p.name.endswith(".index.json"):
             field(f"index:{p.name}", _canonical_json(p.read_bytes()))
-        elif p.suffix == ".safetensors" or p.suffix in _OTHER_WEIGHTS:
+        elif _is_weights(p):
             field(f"weights:{p.name}", _full_digest(p) if full else _sampled(p))
     return h.hexdigest()
+
+
+def _is_weights(p: Path) -> bool:
+    return p.suffix == ".safetensors" or p.suffix in _OTHER_WEIGHTS
+
+
+def _hub_cache(download_dir: str | None) -> Path:
+    """Where vLLM keeps hub snapshots: its ``download_dir``, else Hugging
+    Face's cache (``HF_HUB_CACHE``, ``HF_HOME/hub``, ``~/.cache/huggingface/hub``),
+    read from the environment as ``huggingface_hub`` reads it."""
+    if download_dir:
+        return Path(download_dir).expanduser()
+    env = os.environ
+    home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"), "huggingface")
+    cache = env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE") or os.path.join(home, "hub")
+    return Path(os.path.expandvars(os.path.expanduser(cache)))
+
+
+def hub_snapshot(model: str, revision: str | None = None, download_dir: str | None = None, *,
+                 weights: bool = True) -> Path | None:
+    """The folder of hub model ``model``'s snapshot at ``revision`` (a commit
+    hash, or a branch or tag named in ``refs/``; default ``main``) in vLLM's
+    download folder or the Hugging Face cache, or None where there is none
+    (or, with ``weights``, none holding a weight file). Reads only the
+    local cache: never the network."""
+    repo = _hub_cache(download_dir) / ("models--" + model.replace("/", "--"))
+    rev = revision or "main"
+    commit = rev
+    if not _COMMIT.fullmatch(rev):
+        try:
+            commit = (repo / "refs" / rev).read_text().strip()
+        except (OSError, ValueError):
+            return None
+    if not _COMMIT.fullmatch(commit):
+        return None
+    folder = repo / "snapshots" / commit
+    try:
+        if not folder.is_dir() or (weights and not any(_is_weights(p) and p.is_file() for p in folder.iterdir())):
+            return None
+    except OSError:
+        return None
+    return folder
 
 
 def _canonical_json(data: bytes) -> bytes:

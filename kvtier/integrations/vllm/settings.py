@@ -190,6 +190,9 @@ def parse_connector_keys(own: dict, tier_names: list[str]) -> ConnectorKeys:
     if unknown:
         raise ConfigError(f"{SECTION}.{unknown[0]}", "unknown key", f"use one of: {', '.join(CONNECTOR_KEYS)}")
     fingerprint = own.pop("model_fingerprint", None)
+    if fingerprint is not None and not isinstance(fingerprint, str):
+        raise ConfigError(f"{SECTION}.model_fingerprint", f"expected a string, got {fingerprint!r}",
+                          'write "full", or a string that names these weights (e.g. the hub commit)')
     spin = parse_bool(own.pop("spin_during_loads", False), f"{SECTION}.spin_during_loads")
     return ConnectorKeys(None if fingerprint is None else str(fingerprint), own.pop("share_tp_sizes", None),
                          parse_io_cpus(own.pop("io_cpus", "auto")), parse_load_decision(own, tier_names), spin)
@@ -222,6 +225,8 @@ def parse_load_decision(extra: dict, tier_names: list[str]) -> LoadDecision:
 def _positive(value: Any, key: str, fix: str) -> float | None:
     if value is None:
         return None
+    if isinstance(value, bool):
+        raise ConfigError(key, f"expected a number, got {value!r}", fix)
     try:
         x = float(value)
     except (TypeError, ValueError):
@@ -269,8 +274,11 @@ def load_settings(vllm_config: Any, kv_cache_config: Any, worker: bool) -> Setti
     path = extra.pop("config", None)
     # The connector's own keys: the config file's ``vllm:`` section, then the
     # same section inline (``kvtier serve --inline``), then top-level inline keys.
-    own = {**connector_section(path), **(extra.pop(SECTION, None) or {}),
-           **{k: extra.pop(k) for k in CONNECTOR_KEYS if k in extra}}
+    inline = extra.pop(SECTION, None) or {}
+    if not isinstance(inline, dict):
+        raise ConfigError(f"kv_connector_extra_config.{SECTION}", f"expected a mapping of connector keys, got {inline!r}",
+                          f'write e.g. "{SECTION}": {{"load_decision": "auto"}}')
+    own = {**connector_section(path), **inline, **{k: extra.pop(k) for k in CONNECTOR_KEYS if k in extra}}
     store = node_memory(load_config(path, overrides=extra))
     keys = parse_connector_keys(own, [t.config.name for t in store.tiers])
     fingerprint, extra_tp, io_cpus, decision = keys.model_fingerprint, keys.share_tp_sizes, keys.io_cpus, keys.decision
@@ -453,15 +461,18 @@ def layout_name(vllm_config: Any, spec: Any, kv_layout: str | None) -> str:
 def model_fingerprint(vllm_config: Any, mode: str | None = None) -> str:
     """Identity of the weights from their content (``identity.py``):
     ``mode`` None samples the weight files, ``"full"`` hashes every byte
-    (cached); any other string is the fingerprint itself."""
+    (cached); any other string is the fingerprint itself. A hub id is read
+    from the snapshot vLLM downloaded (ConfigError where there is none and
+    no commit is pinned)."""
     from kvtier.integrations.vllm import identity
 
     if mode not in (None, "", "full"):
         return str(mode)
-    mc = vllm_config.model_config
+    mc, lc = vllm_config.model_config, vllm_config.load_config
     return identity.fingerprint(
-        str(mc.model), revision=mc.revision, load_format=str(getattr(vllm_config.load_config, "load_format", "")),
-        dtype=str(mc.dtype), quantization=mc.quantization, full=mode == "full")
+        str(mc.model), revision=mc.revision, load_format=str(getattr(lc, "load_format", "")),
+        dtype=str(mc.dtype), quantization=mc.quantization, full=mode == "full",
+        download_dir=getattr(lc, "download_dir", None))
 
 
 def _tp_rank() -> int:

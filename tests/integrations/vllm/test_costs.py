@@ -117,6 +117,9 @@ def test_worker_reads_aggregate_to_the_slowest_rank_and_the_fewest_tokens():
     ({"read_rates": {"nosuch": "1GB"}}, "read_rates.nosuch"),
     ({"read_rates": {"shared": "fast"}}, "read_rates.shared"),
     ({"read_rates": ["shared"]}, "read_rates"),
+    ({"read_rates": {"shared": 2000000000}}, "read_rates.shared"),  # a rate needs its unit, as a size does
+    ({"prefill_tokens_per_s": True}, "prefill_tokens_per_s"),
+    ({"probe_interval_s": True}, "probe_interval_s"),
 ])
 def test_bad_decision_settings_name_the_key(extra, key):
     with pytest.raises(ConfigError) as err:
@@ -214,7 +217,7 @@ def test_always_claims_whatever_the_rates_and_a_seed_rules_out_before_any_load(t
         s.close()
         store.close()
     # A seed: 1 byte per second from disk, the engine at 1000 tokens per second.
-    s, store = _disk_scheduler(tmp_path / "b", bytes_per_token=32, read_rates={"disk": 1}, prefill_tokens_per_s=1000)
+    s, store = _disk_scheduler(tmp_path / "b", bytes_per_token=32, read_rates={"disk": "1B"}, prefill_tokens_per_s=1000)
     try:
         store_chunks(s, TOK, [C, C])
         store.flush()
@@ -238,6 +241,9 @@ def test_connector_keys_come_from_the_config_files_vllm_section(tmp_path):
     with pytest.raises(ConfigError) as err:
         parse_connector_keys({"load_decison": "auto"}, ["shared"])
     assert err.value.key == "vllm.load_decison" and "load_decision" in err.value.fix
+    with pytest.raises(ConfigError) as err:
+        parse_connector_keys({"model_fingerprint": True}, ["shared"])  # not the string "True"
+    assert err.value.key == "vllm.model_fingerprint"
 
 
 def test_spin_during_loads_is_a_connector_key():

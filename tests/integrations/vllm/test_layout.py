@@ -159,7 +159,7 @@ def test_the_layout_and_the_workers_pages_are_in_the_namespace():
     assert len(names) == 3 and any(n.endswith("/LBNHC") for n in names)
 
     ns = Namespace("m", "f", "float32", "x", 2, 2, 8, 16)
-    base = Settings(parse_store_config({"tiers": [{"kind": "memory", "capacity": 1 << 20}], "chunk_tokens": 16}),
+    base = Settings(parse_store_config({"tiers": [{"kind": "memory", "capacity": "1MiB"}], "chunk_tokens": 16}),
                     ns, 16, 2, "float32", Topology(1, None), "LBNHC", awaiting_page=True)
     pages = ("FLASH_ATTN/LBNHC/pageNHC16xhx16", "FLASHINFER/LBNHC/pageNHC16xhx16",
              "FLASH_ATTN/LBNHC/r2/pageRNHC2x8xhx16")

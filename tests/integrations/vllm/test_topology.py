@@ -86,7 +86,7 @@ def _resumes(rows) -> list[dict]:
 
 
 def _tiers(c: Ctx, run: str, with_disk: bool = True, shared: str | None = None) -> list:
-    tiers: list = [{"kind": "memory", "capacity": NODE_MEMORY_CAPACITY}]
+    tiers: list = [{"kind": "memory", "capacity": f"{NODE_MEMORY_CAPACITY}B"}]
     if with_disk:
         tiers.append({"kind": "disk", "path": str(c.dir(f"{run}-disk")), "capacity": "64MiB"})
     if shared:
@@ -166,7 +166,7 @@ def _damage(c: Ctx) -> None:
 def _reader() -> RunDef:
     return RunDef(lambda c: {
         "model": str(c.models[MODEL]),
-        "kvtier": {"tiers": [{"kind": "memory", "capacity": NODE_MEMORY_CAPACITY},
+        "kvtier": {"tiers": [{"kind": "memory", "capacity": f"{NODE_MEMORY_CAPACITY}B"},
                              {"kind": "shared", "path": str(c.dir("tp2-damaged")), "capacity": "64MiB"}]},
         "engine": {**ENGINE, "tensor_parallel_size": 2},
         "phases": [_phase(phase_name(p, s), [(p, s)]) for p, s, _ in READER_RESUMES],
