@@ -90,7 +90,8 @@ class RedisConfig:
         if not self.address:
             raise ConfigError(f"{prefix}address", "is required", "set it, e.g. redis://10.0.0.5:6379?capacity=64GiB")
         if "@" in self.address or "/" in self.address:
-            raise ConfigError(f"{prefix}address", "must be host:port only", "put credentials in username/password, never in the address")
+            raise ConfigError(f"{prefix}address", "must be host:port only (no user:password@, no scheme or path)",
+                              "set the password in KVTIER_REDIS_PASSWORD (or password: in the config file), never in the address")
         for i, node in enumerate(self.nodes()):
             if node is None:
                 raise ConfigError(f"{prefix}address", f"cannot read node {i} as host:port", "write e.g. 10.0.0.5:6379")
