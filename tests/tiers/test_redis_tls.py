@@ -8,6 +8,7 @@ TLS that never shows, and the TLS settings refused at start-up."""
 from __future__ import annotations
 
 import logging
+import re
 import subprocess
 import time
 
@@ -63,7 +64,10 @@ def test_a_client_certificate_opens_a_server_that_requires_one(server, pki, metr
 
 @pytest.mark.parametrize("change, reason", [
     ({"tls_ca_file": "OTHER"}, "certificate verify failed"),  # a CA that did not sign the server's certificate
-    ({"tls_cert_file": "", "tls_key_file": ""}, "certificate required"),  # the server requires one
+    # The server requires a client certificate. In TLS 1.3 the client's
+    # handshake ends before the server's verdict arrives, so the first read
+    # sees either the server's alert or the connection closing.
+    ({"tls_cert_file": "", "tls_key_file": ""}, "certificate required|EOF occurred in violation of protocol"),
 ])
 def test_a_refused_handshake_is_a_miss_with_the_reason(server, pki, metrics, caplog, change, reason):
     change = {k: (pki.other_ca if v == "OTHER" else v) for k, v in change.items()}
@@ -78,7 +82,7 @@ def test_a_refused_handshake_is_a_miss_with_the_reason(server, pki, metrics, cap
         assert metrics.value("kvtier_errors_total", tier="redis", op="lookup") >= 1
     finally:
         tier.close()
-    assert "lookup failed" in caplog.text and reason in caplog.text
+    assert "lookup failed" in caplog.text and re.search(reason, caplog.text)
     assert server.cli("dbsize").strip() == "0"
 
 
