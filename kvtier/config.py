@@ -259,7 +259,7 @@ def redact_url(url: str) -> str:
     values of credential options replaced by ``***``."""
     scheme, sep, rest = url.partition("://") if "://" in url else ("", "", url)
     location, q, query = rest.partition("?")
-    head, at, host = location.rpartition("@")
+    _, at, host = location.rpartition("@")
     if at:
         location = "***@" + host
     opts = []
