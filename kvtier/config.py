@@ -275,8 +275,11 @@ def parse_tier(spec: Any, key: str) -> TierSpec:
 
 
 def parse_tier_url(url: str, key: str) -> dict[str, Any]:
+    """The values of a tier URL. Credentials are refused here (see
+    ``SECRET_KEYS``); an error never repeats one (``redact_url``)."""
     if "://" not in url:
-        raise ConfigError(key, f"{url!r} is not a tier URL", "write KIND://LOCATION?option=value, e.g. shared:///mnt/kv?capacity=1TiB")
+        raise ConfigError(key, f"{redact_url(url)!r} is not a tier URL",
+                          "write KIND://LOCATION?option=value, e.g. shared:///mnt/kv?capacity=1TiB")
     kind, rest = url.split("://", 1)
     location, _, query = rest.partition("?")
     values: dict[str, Any] = {"kind": kind}
@@ -284,12 +287,52 @@ def parse_tier_url(url: str, key: str) -> dict[str, Any]:
         values["location"] = location
     for part in filter(None, query.split("&")):
         k, sep, v = part.partition("=")
+        if k.replace("-", "_") in SECRET_KEYS:
+            continue  # refused below, once the kind is known (the fix names its variable)
         if not sep:
-            raise ConfigError(key, f"option {k!r} in {url!r} has no value", f"write {k}=VALUE")
+            raise ConfigError(key, f"option {k!r} in {redact_url(url)!r} has no value", f"write {k}=VALUE")
         values[k] = v
     from kvtier.tiers import registry
 
-    return registry.normalise_url_values(values, key)
+    values = registry.normalise_url_values(values, key)
+    for part in filter(None, query.split("&")):
+        name = part.partition("=")[0].replace("-", "_")
+        if name in SECRET_KEYS:
+            raise ConfigError(f"{key}.{name}", "is a credential, and a tier URL is no place for one (URLs are "
+                              "printed, logged and seen in process lists)", _secret_fix(values["kind"], name))
+    return values
+
+
+# Tier keys that are credentials: never taken from a tier URL, never put on
+# a command line (``kvtier serve --inline``), never shown.
+SECRET_KEYS = frozenset({"password", "username", "access_key_id", "secret_access_key"})
+
+
+def _secret_fix(kind: str, name: str) -> str:
+    var = SECRET_ENV.get(kind, {}).get(name)
+    where = f"{name}: in the tier's entry of the kvtier config file (readable only by kvtier's user)"
+    if var is None:
+        return f"drop it from the URL; set {where}"
+    return f"drop it from the URL; set {var} (or {var}_<TIER NAME> for one tier) in the environment, or {where}"
+
+
+def redact_url(url: str) -> str:
+    """``url`` for messages and reports: a ``user:secret@`` part and the
+    values of credential options replaced by ``***``."""
+    scheme, sep, rest = url.partition("://") if "://" in url else ("", "", url)
+    location, q, query = rest.partition("?")
+    _, at, host = location.rpartition("@")
+    if at:
+        location = "***@" + host
+    opts = []
+    for part in query.split("&") if q else ():
+        k, eq, v = part.partition("=")
+        if k.replace("-", "_") in SECRET_KEYS:
+            v = "***"
+        elif "@" in v and "://" in v:  # an endpoint URL with user:secret@
+            v = redact_url(v)
+        opts.append(k + eq + v)
+    return f"{scheme}{sep}{location}" + (q + "&".join(opts) if q else "")
 
 
 def load_file(path: str | os.PathLike) -> dict[str, Any]:
@@ -380,25 +423,25 @@ def warn_unknown_env(environ: Mapping[str, str]) -> list[str]:
 _warned: set[str] = set()
 
 
-def _secrets_from_env(values: dict[str, Any], env: Mapping[str, str]) -> None:
-    """Fill tier secrets that the config leaves empty from ``SECRET_ENV``."""
-    for spec in values.get("tiers", ()):
-        cfg = spec.config
-        wanted = SECRET_ENV.get(spec.kind, {})
-        changes = {}
-        for field_name, var in wanted.items():
-            if getattr(cfg, field_name, None):
-                continue
-            own = f"{var}_{cfg.name.upper().replace('-', '_')}"
-            value = env.get(own) or env.get(var)
-            if value:
-                changes[field_name] = value
-        if changes:
-            spec_cfg = dataclasses.replace(cfg, **changes)
-            validate = getattr(spec_cfg, "validate", None)
-            if validate is not None:
-                validate(f"tiers[{cfg.name}].")
-            values["tiers"] = tuple(TierSpec(t.kind, spec_cfg) if t is spec else t for t in values["tiers"])
+def with_env_secrets(spec: TierSpec, env: Mapping[str, str]) -> TierSpec:
+    """``spec`` with the secrets its config leaves empty filled from
+    ``SECRET_ENV`` (checked again, as ``build`` checks a config)."""
+    cfg = spec.config
+    changes = {}
+    for field_name, var in SECRET_ENV.get(spec.kind, {}).items():
+        if getattr(cfg, field_name, None):
+            continue
+        own = f"{var}_{cfg.name.upper().replace('-', '_')}"
+        value = env.get(own) or env.get(var)
+        if value:
+            changes[field_name] = value
+    if not changes:
+        return spec
+    filled = dataclasses.replace(cfg, **changes)
+    validate = getattr(filled, "validate", None)
+    if validate is not None:
+        validate(f"tiers[{cfg.name}].")
+    return TierSpec(spec.kind, filled)
 
 
 def load_config(
@@ -437,5 +480,5 @@ def parse_store_config(values: Mapping[str, Any], environ: Mapping[str, str] | N
                           "write e.g. tiers: [{kind: memory, capacity: 4GiB}], or tier URLs")
     values["tiers"] = tuple(parse_tier(t, f"tiers[{i}]") for i, t in enumerate(raw_tiers))
     if environ is not None:
-        _secrets_from_env(values, environ)
+        values["tiers"] = tuple(with_env_secrets(t, environ) for t in values["tiers"])
     return build(StoreConfig, values, "")

@@ -64,13 +64,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtier.config import env_values, load_config, load_file
+from kvtier.config import SECRET_KEYS, env_values, load_config, load_file
 from kvtier.errors import ConfigError
 
 CONNECTOR = "KVTierConnector"
 CONNECTOR_MODULE = "kvtier.integrations.vllm"
-# Keys of a config file that must not travel on a command line (--inline).
-_SECRET_KEYS = ("password", "secret_access_key", "access_key_id", "username")
 _PR_SET_PDEATHSIG = 1
 
 
@@ -121,7 +119,7 @@ def connector_extra(config_path: str | None, inline: bool, environ: dict[str, st
 def _secret_paths(values, prefix: str = ""):
     if isinstance(values, dict):
         for k, v in values.items():
-            if k in _SECRET_KEYS and v:
+            if k in SECRET_KEYS and v:
                 yield f"{prefix}{k}"
             yield from _secret_paths(v, f"{prefix}{k}.")
     elif isinstance(values, list):

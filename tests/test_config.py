@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from kvtier.config import ConfigError, load_config, parse_size, parse_store_config
+from kvtier.config import ConfigError, load_config, parse_size, parse_store_config, redact_url
 from kvtier.engine.store import TieredStore
 from kvtier.tiers.disk import DiskConfig, DiskTier
 from kvtier.tiers.memory import MemoryConfig
@@ -362,8 +362,44 @@ def test_tier_secrets_come_from_the_environment_and_never_show(caplog):
         tier.close()
     assert "s3cr3t" not in caplog.text
     # A value in the config itself wins over the environment.
-    own = load_config(environ={**env, "KVTIER_TIERS": "redis://127.0.0.1:6379?capacity=1GiB&password=inline"})
+    own = parse_store_config({"tiers": [{"kind": "redis", "address": "127.0.0.1:6379", "capacity": "1GiB",
+                                         "password": "inline"}]}, env)
     assert own.tiers[0].config.password == "inline"
+
+
+SECRET = "Zx9-never-shown"
+
+
+@pytest.mark.parametrize("url, key, fix", [
+    (f"redis://127.0.0.1:6379?capacity=1GiB&password={SECRET}", "password", "KVTIER_REDIS_PASSWORD"),
+    (f"rediss://127.0.0.1:6379?password={SECRET}&capacity=1GiB", "password", "KVTIER_REDIS_PASSWORD"),
+    (f"redis://127.0.0.1:6379?capacity=1GiB&username={SECRET}", "username", "KVTIER_REDIS_USERNAME"),
+    (f"redis://kv:{SECRET}@127.0.0.1:6379?capacity=1GiB", "address", "KVTIER_REDIS_PASSWORD"),
+    (f"s3://bucket/p?capacity=1GiB&access_key_id=AKID&secret_access_key={SECRET}", "access_key_id", "KVTIER_S3_ACCESS_KEY_ID"),
+    (f"s3://bucket/p?capacity=1GiB&secret_access_key={SECRET}", "secret_access_key", "KVTIER_S3_SECRET_ACCESS_KEY"),
+    (f"s3://bucket/p?capacity=1GiB&endpoint=http://AKID:{SECRET}@127.0.0.1:8333", "endpoint", "KVTIER_S3_SECRET_ACCESS_KEY"),
+    (f"redis://127.0.0.1:6379?capacity=1GiB&password={SECRET}&oops", "", ""),  # another error: still not shown
+])
+def test_credentials_in_a_tier_url_are_refused_and_never_repeated(url, key, fix):
+    with pytest.raises(ConfigError) as err:
+        load_config(environ={"KVTIER_TIERS": f"memory://?capacity=1GiB,{url}"})
+    text = str(err.value)
+    assert SECRET not in text
+    assert (f"tiers[1].{key}" if key else "tiers[1]") in text and fix in text
+
+
+def test_secrets_given_the_documented_ways_are_taken():
+    env = {"KVTIER_TIERS": "s3://bucket/p?capacity=1GiB&endpoint=http://127.0.0.1:8333",
+           "KVTIER_S3_ACCESS_KEY_ID": "AKID", "KVTIER_S3_SECRET_ACCESS_KEY": SECRET}
+    s3 = load_config(environ=env).tiers[0].config
+    assert (s3.access_key_id, s3.secret_access_key) == ("AKID", SECRET)
+    assert SECRET not in repr(s3) and "AKID" not in repr(s3)
+
+
+def test_redact_url_blanks_every_credential():
+    shown = redact_url(f"s3://b/p?endpoint=http://AKID:{SECRET}@h:1&secret_access_key={SECRET}&capacity=1GiB")
+    assert shown == "s3://b/p?endpoint=http://***@h:1&secret_access_key=***&capacity=1GiB"
+    assert redact_url(f"redis://kv:{SECRET}@h:6379?password={SECRET}") == "redis://***@h:6379?password=***"
 
 
 def test_a_misspelled_variable_is_warned_about_with_the_closest_name(caplog):

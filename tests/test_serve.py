@@ -108,6 +108,33 @@ def test_cli_dry_run_splits_kvtier_and_vllm_arguments(cfg, capsys, monkeypatch):
     assert "PROMETHEUS_MULTIPROC_DIR" in err  # says how to get kvtier's metrics on /metrics
 
 
+def _dry_run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("KVTIER_", "AWS_"))}
+    return subprocess.run([sys.executable, "-m", "kvtier.cli", "-v", "serve", "m", "--launcher", "module", "--dry-run",
+                           *args], env={**clean, **env}, cwd=REPO, capture_output=True, text=True, timeout=60)
+
+
+def test_dry_run_never_shows_a_credential(tmp_path):
+    """Credentials given the documented ways (KVTIER_* variables, the config
+    file) are used but never printed; in a tier URL they are refused (exit
+    status 2), without being repeated."""
+    secret = "Hq3-serve-never-shown"
+    cfg = tmp_path / "kvtier.yaml"
+    cfg.write_text("tiers:\n  - {kind: redis, address: '127.0.0.1:6379', capacity: 1GiB, password: %s}\n"
+                   "  - {kind: s3, name: s3b, location: bucket/p, capacity: 1GiB, access_key_id: AKID, "
+                   "secret_access_key: %s}\n" % (secret, secret))
+    env = {"KVTIER_TIERS": "redis://127.0.0.1:6379?capacity=1GiB,s3://bucket/p?capacity=1GiB&endpoint=http://127.0.0.1:1",
+           "KVTIER_REDIS_PASSWORD": secret, "KVTIER_S3_ACCESS_KEY_ID": "AKID", "KVTIER_S3_SECRET_ACCESS_KEY": secret}
+    for run in (_dry_run(env), _dry_run({}, "--config", str(cfg))):
+        assert run.returncode == 0, run.stderr
+        assert "--kv-transfer-config" in run.stdout and secret not in run.stdout + run.stderr
+    for url in (f"redis://127.0.0.1:6379?capacity=1GiB&password={secret}",
+                f"s3://bucket/p?capacity=1GiB&endpoint=http://AKID:{secret}@127.0.0.1:8333"):
+        run = _dry_run({"KVTIER_TIERS": url})
+        assert run.returncode == 2 and "tiers[0]." in run.stderr and "Traceback" not in run.stderr
+        assert secret not in run.stdout + run.stderr
+
+
 def test_cli_bad_config_exits_2(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("tiers: [{kind: memory}]\n")

@@ -98,6 +98,8 @@ def redis_get_ceiling(config: Any, targets: Sequence[tuple[str, int, bytes]], va
             cmd += ["--dbnum", str(config.db)]
         if config.tls:
             cmd += ["--tls"] + (["--cacert", config.tls_ca_file] if config.tls_ca_file else [])
+            if config.tls_cert_file:
+                cmd += ["--cert", config.tls_cert_file, "--key", config.tls_key_file or config.tls_cert_file]
         cmds.append((cmd + ["GET", name.decode()], n))
     c0, t0 = _children_cpu(), time.perf_counter()
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for cmd, _ in cmds]

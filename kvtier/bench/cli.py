@@ -64,7 +64,8 @@ def _storage_parser(bsub) -> None:
         metavar="URL",
         help="a network tier to measure instead, as a tier URL: redis://HOST:PORT or "
         "s3://BUCKET/PREFIX?endpoint=URL (fio is skipped; objects are kept for reruns; "
-        "credentials: prefer the environment, see docs/deploy.md)",
+        "credentials never in the URL: KVTIER_REDIS_PASSWORD, KVTIER_S3_ACCESS_KEY_ID/KVTIER_S3_SECRET_ACCESS_KEY "
+        "or boto3's own chain, see docs/configuration.md)",
     )
     bs.add_argument("--size", type=argtypes.size, default=2 << 30, help="data volume, e.g. 2GiB (default)")
     bs.add_argument("--model", default="qwen2.5-0.5b", help="KV shape preset (default qwen2.5-0.5b: 24 layers, 2 KV heads, head dim 64, bf16)")

@@ -36,7 +36,6 @@ import os
 import threading
 import time
 from typing import Any
-from urllib.parse import urlsplit
 
 from kvtier.bench import ceiling
 from kvtier.bench.ceiling import concurrency
@@ -57,15 +56,13 @@ from kvtier.bench.storage_common import (
     summarize,
 )
 from kvtier.buffers import alloc
-from kvtier.config import ConfigError, StoreConfig, TierSpec, parse_tier, parse_tier_url
+from kvtier.config import ConfigError, StoreConfig, TierSpec, parse_tier, parse_tier_url, with_env_secrets
 from kvtier.engine.store import TieredStore
 from kvtier.progress import Progress, silent
 from kvtier.tiers import registry
 from kvtier.version import __version__
 
 KINDS = ("redis", "s3")
-# URL options never echoed into reports or logs.
-_SECRET_OPTIONS = ("password", "secret_access_key", "access_key_id", "username")
 
 
 def tier_spec(url: str, cfg: StorageBenchConfig, window: int) -> TierSpec:
@@ -84,17 +81,9 @@ def tier_spec(url: str, cfg: StorageBenchConfig, window: int) -> TierSpec:
         values.setdefault("pool_size", cfg.io_threads + 4)
     else:
         values.setdefault("gc_interval_s", 0)  # the benchmark's data is never collected mid-run
-    return parse_tier(values, "--tier")
-
-
-def redact(url: str) -> str:
-    """``url`` with credential options blanked (reports and logs)."""
-    parts = urlsplit(url)
-    query = "&".join(
-        f"{k}=***" if k in _SECRET_OPTIONS else f"{k}={v}"
-        for k, _, v in (p.partition("=") for p in parts.query.split("&") if p)
-    )
-    return f"{parts.scheme}://{parts.netloc}{parts.path}" + (f"?{query}" if query else "")
+    # Credentials: from the same KVTIER_* variables as the engine's (a URL
+    # holds none: parse_tier_url refuses them).
+    return with_env_secrets(parse_tier(values, "--tier"), os.environ)
 
 
 def _open(spec: TierSpec):
@@ -136,7 +125,7 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
     chunk_bytes = cfg.model.bytes_per_token * cfg.chunk_tokens
     result: dict = {
         "kvtier_version": __version__,
-        "tier": redact(url),
+        "tier": url,
         "kind": first.kind,
         "host": host(),
         "model": {"name": cfg.model.name, "bytes_per_token": cfg.model.bytes_per_token},

@@ -25,6 +25,8 @@ Names (only hex digests; no token, model or tenant text)::
   than ``capacity``, except for victims of a client that died between the
   script and its deletes: ``ttl_s`` or Redis' own ``maxmemory`` policy (the
   operator's backstop, see docs/deploy.md) reclaims those.
+- TLS (``tls``, or a ``rediss://`` URL): ``redis_tls``, the same settings
+  for redis-py's connections and the read path's.
 - Trouble: socket timeouts on every call, no client-side retries (the breaker
   and recompute are the retry), a circuit breaker around every operation.
 
@@ -55,6 +57,7 @@ from kvtier.engine.executor import DELETE, LOAD, PriorityExecutor
 from kvtier.errors import CorruptObject
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import TierStats
+from kvtier.tiers import redis_tls
 from kvtier.tiers.pooled import PooledTier
 from kvtier.tiers.redis_read import ReadPool, Redirected
 
@@ -74,8 +77,11 @@ class RedisConfig:
     db: int = opt(0, "database number (0 on a cluster)", ge=0)
     username: str = opt("", "ACL user name (empty: default user)")
     password: str = field(default="", repr=False, metadata={"doc": "password (never logged; prefer KVTIER_* env or a file readable only by kvtier)"})
-    tls: bool = opt(False, "connect with TLS")
-    tls_ca_file: str = opt("", "CA bundle that signs the server certificate (empty: system store)")
+    tls: bool = opt(False, "connect with TLS (the URL scheme rediss:// sets it)")
+    tls_ca_file: str = opt("", "CA bundle (PEM) that signs the server certificate (empty: system store)")
+    tls_cert_file: str = opt("", "client certificate (PEM) presented to the server (a Redis with tls-auth-clients yes needs one)")
+    tls_key_file: str = opt("", "private key (PEM, unencrypted) of tls_cert_file (empty: in tls_cert_file)")
+    tls_check_hostname: bool = opt(True, "the server certificate must name the host in address (its IP SANs for an IP address)")
     cluster: bool = opt(False, "talk to a Redis Cluster (objects spread over all slots)")
     key_prefix: str = opt("kvtier:v1:", "prefix of every key kvtier writes; one capacity budget per prefix")
     # Optional[...], not "float | None": config._coerce recognises typing.Union only.
@@ -90,7 +96,8 @@ class RedisConfig:
         if not self.address:
             raise ConfigError(f"{prefix}address", "is required", "set it, e.g. redis://10.0.0.5:6379?capacity=64GiB")
         if "@" in self.address or "/" in self.address:
-            raise ConfigError(f"{prefix}address", "must be host:port only", "put credentials in username/password, never in the address")
+            raise ConfigError(f"{prefix}address", "must be host:port only (no user:password@, no scheme or path)",
+                              "set the password in KVTIER_REDIS_PASSWORD (or password: in the config file), never in the address")
         for i, node in enumerate(self.nodes()):
             if node is None:
                 raise ConfigError(f"{prefix}address", f"cannot read node {i} as host:port", "write e.g. 10.0.0.5:6379")
@@ -111,6 +118,7 @@ class RedisConfig:
             raise ConfigError(f"{prefix}pool_size", f"must be at least io_threads + 4 ({self.io_threads + 4})", "raise pool_size")
         if self.read_window_bytes <= 0:
             raise ConfigError(f"{prefix}read_window_bytes", "must be positive", "use e.g. 64MiB")
+        redis_tls.check(self, prefix)
 
     def nodes(self) -> list[tuple[str, int] | None]:
         out: list[tuple[str, int] | None] = []
@@ -219,8 +227,8 @@ class RedisTier(PooledTier):
             socket_connect_timeout=c.connect_timeout_s,
             retry=Retry(NoBackoff(), 0),  # no hidden retries: the breaker and recompute are ours
         )
-        if c.tls and c.tls_ca_file:
-            common["ssl_ca_certs"] = c.tls_ca_file
+        if c.tls:
+            common.update(redis_tls.client_kwargs(c))
         if c.cluster:
             from redis.cluster import ClusterNode, RedisCluster
 

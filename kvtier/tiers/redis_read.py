@@ -13,7 +13,7 @@ A ``ReadConnection`` speaks only what kvtier's reads need of RESP2: the
 handshake (``AUTH``, ``SELECT``), ``GET``/``GETEX`` and their replies (a
 bulk string, nil, or an error). Lookups, stores, scripts and the cluster's
 slot map stay with redis-py, whose settings (timeouts, ACL user and password,
-TLS and its CA file, database) these connections share.
+TLS as ``redis_tls`` sets it up, database) these connections share.
 
 Threads: a connection is used by one thread at a time: taken from its
 ``ReadPool``, given back only after a complete reply. One that saw an error,
@@ -37,6 +37,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from kvtier.buffers import BufferPool, align_up
 from kvtier.errors import CorruptObject
+from kvtier.tiers import redis_tls
 
 _MAX_LINE = 4096  # longest status or error line read (Redis' are far shorter)
 
@@ -55,14 +56,13 @@ def _command(*parts: bytes) -> bytes:
 class ReadConnection:
     """One socket to one server, connected and authenticated on creation."""
 
-    def __init__(self, host: str, port: int, config: Any):
+    def __init__(self, host: str, port: int, config: Any, tls: ssl.SSLContext | None = None):
+        """``tls``: the context of a TLS connection (``redis_tls.context``)."""
         sock = socket.create_connection((host, port), timeout=config.connect_timeout_s)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if config.tls:
-                # As redis-py's SSLConnection: certificate required, host name checked.
-                ctx = ssl.create_default_context(cafile=config.tls_ca_file or None)
-                sock = ctx.wrap_socket(sock, server_hostname=host)
+            if tls is not None:
+                sock = tls.wrap_socket(sock, server_hostname=host)
             sock.settimeout(config.socket_timeout_s)
             self.sock = sock
             self._line = bytearray(_MAX_LINE)
@@ -179,6 +179,7 @@ class ReadPool:
         self._idle: dict[tuple[str, int], list[ReadConnection]] = {}
         self._pid = os.getpid()
         self._closed = False
+        self._tls: ssl.SSLContext | None = None  # made with the first connection (it reads the files)
 
     def get_into(self, host: str, port: int, name: bytes, pool: BufferPool, max_len: int,
                  px: int | None = None) -> tuple[memoryview, int] | None:
@@ -203,7 +204,10 @@ class ReadPool:
                 if _alive(conn.sock):
                     return conn
                 conn.close()  # the server closed it (restarted, timed it out): never reused
-        return ReadConnection(host, port, self.config)
+            if self.config.tls and self._tls is None:
+                self._tls = redis_tls.context(self.config)
+            tls = self._tls
+        return ReadConnection(host, port, self.config, tls)
 
     def _give(self, host: str, port: int, conn: ReadConnection) -> None:
         with self._lock:

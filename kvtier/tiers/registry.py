@@ -13,7 +13,8 @@ A tier's ``kind`` in the configuration is one of:
 Built-in names always win: a package cannot replace a kind kvtier ships.
 Whatever the route, the class must be a ``Tier`` subclass carrying its config
 dataclass as ``Config``; a class may name the config field a URL's location
-fills (``url_location = "path"``: ``KIND:///some/dir?capacity=1GiB``). The
+fills (``url_location = "path"``: ``KIND:///some/dir?capacity=1GiB``);
+``rediss://`` is the ``redis`` kind with ``tls`` on. The
 worked example is ``examples/sqlite_tier`` (docs/architecture.md, "Adding a
 tier kind"). Nothing here is process-global state: every process that reads
 the same configuration resolves the same classes.
@@ -42,6 +43,9 @@ _KINDS: dict[str, tuple[str, str, str | None]] = {
 # URL location field per built-in kind: what ``kind://LOCATION`` fills in.
 _LOCATION_FIELD = {"memory": None, "shm": "path", "disk": "path", "shared": "path", "redis": "address", "s3": "location"}
 _ALIASES = {"file": "shared", "dir": "shared"}
+# URL schemes that are a built-in kind with one setting forced on:
+# rediss:// is redis:// over TLS (the scheme redis-py and redis-cli use).
+_TLS_SCHEMES = {"rediss": "redis"}
 
 
 def kinds() -> list[str]:
@@ -88,7 +92,15 @@ def default_name(kind: str) -> str:
 
 
 def normalise_url_values(values: dict[str, Any], key: str) -> dict[str, Any]:
+    from kvtier.config import parse_bool, redact_url
+
     kind = _ALIASES.get(values["kind"], values["kind"])
+    if kind in _TLS_SCHEMES:
+        if not parse_bool(values.get("tls", True), f"{key}.tls"):
+            raise ConfigError(f"{key}.tls", f"{kind}:// always connects with TLS",
+                              f"drop tls=false, or write {_TLS_SCHEMES[kind]}:// for a plain connection")
+        kind = _TLS_SCHEMES[kind]
+        values["tls"] = True
     if kind in _KINDS:
         field = _LOCATION_FIELD.get(kind)
     else:  # a plugin: say if it is unknown, rather than that the location is not taken
@@ -97,7 +109,8 @@ def normalise_url_values(values: dict[str, Any], key: str) -> dict[str, Any]:
     location = values.pop("location", None)
     if location is not None:
         if field is None:
-            raise ConfigError(key, f"tier kind {kind!r} takes no location ({location!r})", f"write {kind}://?capacity=...")
+            raise ConfigError(key, f"tier kind {kind!r} takes no location ({redact_url(location)!r})",
+                              f"write {kind}://?capacity=...")
         values[field] = location
     return values
 

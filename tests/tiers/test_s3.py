@@ -56,13 +56,12 @@ def test_url_without_prefix_and_bad_values():
     with pytest.raises(ConfigError, match="capacity"):
         parse_tier("s3://bucket/x", "t")
     with pytest.raises(ConfigError, match="secret_access_key"):
-        parse_tier("s3://bucket/x?capacity=1GiB&access_key_id=AKIA", "t")
+        parse_tier({"kind": "s3", "location": "bucket/x", "capacity": "1GiB", "access_key_id": "AKIA"}, "t")
 
 
 def test_secrets_never_in_repr():
-    spec = parse_tier(
-        "s3://bucket/x?capacity=1GiB&access_key_id=AKIDSECRETID&secret_access_key=VERYSECRETKEY", "tiers[0]"
-    )
+    spec = parse_tier({"kind": "s3", "location": "bucket/x", "capacity": "1GiB",
+                       "access_key_id": "AKIDSECRETID", "secret_access_key": "VERYSECRETKEY"}, "tiers[0]")
     for text in (repr(spec), repr(spec.config), str(spec.config)):
         assert "AKIDSECRETID" not in text and "VERYSECRETKEY" not in text
     assert spec.config.secret_access_key == "VERYSECRETKEY"
