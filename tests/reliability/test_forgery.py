@@ -4,8 +4,9 @@ are misses, counted by reason, and the rest of the prompt is recomputed.
 
 The attacker knows docs/format.md: every object it plants is well formed,
 with a right payload checksum and header CRC, so only the seal stands
-between it and the engines. Run on the disk, shared, node memory (shm) and
-Redis tiers, each against its real medium (files, a real redis-server).
+between it and the engines. Run on the disk, shared, node memory (shm),
+Redis and a third-party (SQLite, examples/sqlite_tier) tier, each against
+its real medium (files, a real redis-server, a database file).
 """
 
 from __future__ import annotations
@@ -86,9 +87,47 @@ class Redis(Medium):
         self.server.stop()
 
 
-@pytest.fixture(params=["disk", "shared", "shm", "redis"])
+class Sqlite(Medium):
+    """A tier from outside kvtier (examples/sqlite_tier, opened by import
+    path): the store checks the seals of every persistent tier's objects."""
+
+    kind = "sqlite"
+
+    def __init__(self, root: Path):
+        from tests.tiers import harness_sqlite  # noqa: F401  (puts the example on sys.path)
+
+        root.mkdir(parents=True)
+        self.db = str(root / "kv.db")
+
+    def spec(self):
+        from kvtier.config import parse_tier
+
+        return parse_tier({"kind": "kvtier_sqlite:SqliteTier", "path": self.db, "capacity": "16MiB",
+                           "name": "sqlite"}, "tiers[0]")
+
+    def put(self, store, key, data):
+        import sqlite3
+
+        with sqlite3.connect(self.db) as db:
+            db.execute("UPDATE objects SET data = ?, size = ? WHERE digest = ?", (data, len(data), key.digest))
+            if not db.total_changes:
+                db.execute("INSERT INTO objects (digest, data, size, seq) VALUES (?, ?, ?, 0)",
+                           (key.digest, data, len(data)))
+
+    def get(self, store, key):
+        import sqlite3
+
+        with sqlite3.connect(self.db) as db:
+            return db.execute("SELECT data FROM objects WHERE digest = ?", (key.digest,)).fetchone()[0]
+
+
+MEDIUMS = {"disk": lambda p: Files("disk", p), "shared": lambda p: Files("shared", p),
+           "shm": lambda p: Files("shm", p), "redis": Redis, "sqlite": Sqlite}
+
+
+@pytest.fixture(params=sorted(MEDIUMS))
 def medium(request, tmp_path):
-    m = Redis(tmp_path / "redis") if request.param == "redis" else Files(request.param, tmp_path / request.param)
+    m = MEDIUMS[request.param](tmp_path / request.param)
     yield m
     m.close()
 
