@@ -654,3 +654,26 @@ def test_the_default_windows_start_at_two_objects_on_a_directory_and_stay_as_the
     assert cli.main(["bench", "storage", "--dir", str(tmp_path), "--windows", "8MiB", "--no-progress"]) == 1
     assert seen == [DIR_WINDOWS, TIER_WINDOWS, (8 << 20,)]
     assert DIR_WINDOWS[0] == 6 << 20  # two 3 MiB objects of the default chunk
+
+
+def test_bench_storage_sets_each_mode_with_a_key_beside_the_same_mode_without(tmp_path):
+    """--read-modes ...-auth: the data is sealed with the benchmark's own key
+    file (kept beside the store, mode 0600), the keyed loads check every
+    seal (none refused: they would come short and fail the run), and the
+    report gives the CPU per GB the checks add."""
+    out = tmp_path / "r.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "bench", "storage", "--dir", str(tmp_path / "d"), "--size", "24MiB",
+         "--windows", "8MiB", "--fio-depths", "1", "--repeats", "1", "--memory", "24MiB", "--session-chunks", "4",
+         "--read-modes", "direct-aio-fetch,direct-aio-fetch-auth,direct-aio-lent-auth", "--json", str(out),
+         "--no-progress"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(out.read_text())
+    fetch = r["auth"]["8MiB direct-aio-fetch-auth"]
+    assert fetch["added_cpu_s_per_gb"] == fetch["cpu_s_per_gb"] - fetch["plain_cpu_s_per_gb"]
+    assert "plain_cpu_s_per_gb" not in r["auth"]["8MiB direct-aio-lent-auth"]  # its plain twin did not run
+    assert "with a cluster key (8MiB direct-aio-fetch-auth): cold load" in proc.stdout
+    assert "the seal checks add" in proc.stdout
+    assert os.stat(tmp_path / "d" / "bench.key").st_mode & 0o777 == 0o600
