@@ -21,12 +21,13 @@ from kvtier.errors import ConfigError
 def register(subparsers) -> None:
     """``kvtier store ls|stat|verify|gc``."""
     store = subparsers.add_parser(
-        "store", help="inspect and maintain a shared (or disk) tier directory",
+        "store", help="inspect and maintain a shared (or disk) tier directory; verify a Redis tier",
         description="ls, stat and verify only look: they open the directory read-only, create nothing and "
         "sweep nothing (a read-only mount works; a missing store is an error). Only gc (without --dry-run) "
         "and verify --quarantine write. The tier's kind is told from its folder: a disk tier has one owner, "
         "so verify and gc refuse its folder while an engine holds it (exit status 2); a shared directory "
-        "takes them from any node at any time; a node memory tier (shm) is only looked at.")
+        "takes them from any node at any time; a node memory tier (shm) is only looked at. verify --tier URL "
+        "checks a Redis tier's objects instead (--quarantine deletes its bad ones: Redis has no quarantine folder).")
     ssub = store.add_subparsers(dest="store", required=True)
 
     def common(sp):
@@ -40,9 +41,20 @@ def register(subparsers) -> None:
     st.add_argument("--capacity", type=argtypes.size, help="show usage against this capacity")
     st.add_argument("--json", action="store_true", help="print JSON")
     st.set_defaults(func=cmd_store_stat)
-    vf = common(ssub.add_parser("verify", help="read every object and check its header and checksum"))
+    vf = ssub.add_parser(
+        "verify", help="read every object and check its header and checksum",
+        description="Read every object of a directory tier (--dir) or of a Redis tier (--tier) and check what it "
+        "promises: its header, its name, its length and checksum, and with a cluster key file its seal. A Redis "
+        "tier is opened as the engines open it (rediss:// for TLS, cluster=true, key_prefix=...; the password "
+        "from KVTIER_REDIS_PASSWORD, never the URL) and walked through its index without touching any object's "
+        "access order or TTL. Exit status 1 when an object is bad, 2 for a bad flag or an unreachable server.")
+    where = vf.add_mutually_exclusive_group(required=True)
+    where.add_argument("--dir", help="the tier's directory (as in its config: path)")
+    where.add_argument("--tier", metavar="URL",
+                       help="a Redis tier: redis://HOST:PORT[?options] as in its config (capacity may be left out)")
     vf.add_argument("--quarantine", action="store_true",
-                    help="move bad objects to the store's quarantine folder, as the tiers do (default: only report)")
+                    help="move bad objects to the store's quarantine folder, as the tiers do; a Redis tier has no "
+                         "such folder: its bad objects are deleted, as its reads delete them (default: only report)")
     vf.add_argument("--no-quarantine", action="store_false", dest="quarantine", help=argparse.SUPPRESS)
     vf.add_argument("--no-progress", action="store_true", help="no progress bar")
     vf.add_argument("--auth-key-file", metavar="FILE", default=None,
@@ -143,14 +155,20 @@ def cmd_store_verify(args: argparse.Namespace) -> int:
 
     key_file = args.auth_key_file if args.auth_key_file is not None else os.environ.get("KVTIER_AUTH_KEY_FILE", "")
     keyring = load_keyring(key_file, "--auth-key-file") if key_file else None
-    with AdminStore(args.dir) as store:
-        report = store.verify(quarantine=args.quarantine, progress=progress.bars(not args.no_progress),
-                              keyring=keyring)
+    bars = progress.bars(not args.no_progress)
+    if args.tier is not None:
+        from kvtier.tiers.redis_verify import verify_redis
+
+        report = verify_redis(args.tier, delete=args.quarantine, progress=bars, keyring=keyring)
+        done, hint = "deleted", "left in place; --quarantine deletes them"
+    else:
+        with AdminStore(args.dir) as store:
+            report = store.verify(quarantine=args.quarantine, progress=bars, keyring=keyring)
+        done, hint = "quarantined", "left in place; --quarantine moves them aside"
     if keyring is None:
         print("seals not checked: no cluster key file (--auth-key-file or KVTIER_AUTH_KEY_FILE)")
     print(f"verified {report.ok} objects; {len(report.bad)} bad"
-          + ((" (quarantined)" if args.quarantine else " (left in place; --quarantine moves them aside)")
-             if report.bad else ""))
+          + ((f" ({done})" if args.quarantine else f" ({hint})") if report.bad else ""))
     for path, why in report.bad[:50]:
         print(f"  {path}: {why}")
     return 0 if not report.bad else 1

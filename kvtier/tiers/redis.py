@@ -444,12 +444,34 @@ class RedisTier(PooledTier):
         self._guard(True, "delete")
         return n
 
+    def delete_names(self, names: Sequence[bytes]) -> int:
+        """``delete`` by object name, for tools that walk the index and hold
+        names, not keys (``redis_verify``): unindexed and deleted alike."""
+        if not names or not self.breaker.allow():
+            return 0
+        try:
+            n = self.executor.submit(DELETE, self._delete_names, list(names)).result()
+        except _TROUBLE as exc:
+            log.warning("tier %s: delete failed (%s)", self.name, exc)
+            self._guard(False, "delete")
+            return 0
+        self._guard(True, "delete")
+        return n
+
+    def index(self) -> tuple[Any, str]:
+        """The tier's client (made on first use; raises for trouble) and the
+        name of its index sorted set, which holds every object's name: for
+        tools that walk the objects (``redis_verify``)."""
+        return self._redis(), self._lru
+
     def _delete_now(self, keys: Sequence[ChunkKey]) -> int:
+        return self._delete_names([self._name(k) for k in keys])
+
+    def _delete_names(self, names: list[bytes]) -> int:
         # Unindex first, then delete: a concurrent store of the same key that
         # lands in between re-indexes it, so an object never outlives its
         # index entry (which would hide bytes from the budget).
         client = self._redis()
-        names = [self._name(k) for k in keys]
         used, count = self._scripts["forget"](keys=[self._lru, self._size, self._used], args=names, client=client)
         self._last_stats = (int(count), int(used))
         self.metrics.used(int(used))
