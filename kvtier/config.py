@@ -292,14 +292,34 @@ def parse_tier_url(url: str, key: str) -> dict[str, Any]:
         if not sep:
             raise ConfigError(key, f"option {k!r} in {redact_url(url)!r} has no value", f"write {k}=VALUE")
         values[k] = v
-    from kvtier.tiers import registry
-
-    values = registry.normalise_url_values(values, key)
+    values = _normalise_url_values(values, key)
     for part in filter(None, query.split("&")):
         name = part.partition("=")[0].replace("-", "_")
         if name in SECRET_KEYS:
             raise ConfigError(f"{key}.{name}", "is a credential, and a tier URL is no place for one (URLs are "
                               "printed, logged and seen in process lists)", _secret_fix(values["kind"], name))
+    return values
+
+
+def _normalise_url_values(values: dict[str, Any], key: str) -> dict[str, Any]:
+    """A tier URL's values as a tier mapping: the kind its scheme names, TLS
+    where the scheme asks for it, the location in the kind's own field."""
+    from kvtier.tiers import registry
+
+    scheme = values["kind"]
+    kind, tls, field = registry.url_kind(scheme, key)
+    if tls:
+        if not parse_bool(values.get("tls", True), f"{key}.tls"):
+            raise ConfigError(f"{key}.tls", f"{scheme}:// always connects with TLS",
+                              f"drop tls=false, or write {kind}:// for a plain connection")
+        values["tls"] = True
+    values["kind"] = kind
+    location = values.pop("location", None)
+    if location is not None:
+        if field is None:
+            raise ConfigError(key, f"tier kind {kind!r} takes no location ({redact_url(location)!r})",
+                              f"write {kind}://?capacity=...")
+        values[field] = location
     return values
 
 

@@ -85,34 +85,23 @@ def config_class(kind: str, key: str = "kind") -> type:
     return resolve(kind, key).Config
 
 
+def url_kind(scheme: str, key: str) -> tuple[str, bool, str | None]:
+    """What a tier URL's scheme names: the tier kind, whether the scheme
+    asks for TLS (``rediss``), and the config field its location fills
+    (None: the kind takes no location). A plugin's scheme is its kind."""
+    kind = _ALIASES.get(scheme, scheme)
+    tls = kind in _TLS_SCHEMES
+    kind = _TLS_SCHEMES.get(kind, kind)
+    if kind in _KINDS:
+        return kind, tls, _LOCATION_FIELD.get(kind)
+    # A plugin: say if it is unknown, rather than that the location is not taken.
+    return kind, tls, getattr(resolve(kind, f"{key}.kind"), "url_location", None)
+
+
 def default_name(kind: str) -> str:
     """A tier's name when its config gives none: its kind, or for an import
     path the class's own ``kind``."""
     return str(getattr(resolve(kind), "kind", kind)) if ":" in kind else kind
-
-
-def normalise_url_values(values: dict[str, Any], key: str) -> dict[str, Any]:
-    from kvtier.config import parse_bool, redact_url
-
-    kind = _ALIASES.get(values["kind"], values["kind"])
-    if kind in _TLS_SCHEMES:
-        if not parse_bool(values.get("tls", True), f"{key}.tls"):
-            raise ConfigError(f"{key}.tls", f"{kind}:// always connects with TLS",
-                              f"drop tls=false, or write {_TLS_SCHEMES[kind]}:// for a plain connection")
-        kind = _TLS_SCHEMES[kind]
-        values["tls"] = True
-    if kind in _KINDS:
-        field = _LOCATION_FIELD.get(kind)
-    else:  # a plugin: say if it is unknown, rather than that the location is not taken
-        field = getattr(resolve(kind, f"{key}.kind"), "url_location", None)
-    values["kind"] = kind
-    location = values.pop("location", None)
-    if location is not None:
-        if field is None:
-            raise ConfigError(key, f"tier kind {kind!r} takes no location ({redact_url(location)!r})",
-                              f"write {kind}://?capacity=...")
-        values[field] = location
-    return values
 
 
 def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
