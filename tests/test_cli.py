@@ -24,6 +24,7 @@ def populate(path, n=6, tokens_per_chunk=16):
     ns = Namespace("m", "fp", "float16", "test", 2, 2, 8, chunk_tokens=tokens_per_chunk)
     keys = chunk_keys(ns, list(range(n * tokens_per_chunk)))
     objs = [encode(k, "float16", (2, 2, 2, k.num_tokens, 8), os.urandom(k.num_tokens * 128)) for k in keys]
+    path.mkdir(parents=True, exist_ok=True)  # a shared tier's folder must exist (a mount point)
     with SharedTier(SharedConfig(path=str(path), capacity=1 << 30, gc_interval_s=0)) as t:
         assert t.store(objs) == n
         paths = [t.dir.path(k) for k in keys]

@@ -178,6 +178,7 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
 
     # 1. data
     t_start = t0 = time.perf_counter()
+    store_dir.mkdir(parents=True, exist_ok=True)  # a shared tier's folder must exist, as a mount point does
     writer_cfg = _shared_spec(store_dir, capacity, 64 * MiB, cfg.io_threads).config
     with SharedTier(writer_cfg) as writer:
         total_bytes = populate(writer, sessions, cfg, progress, str(writer.dir.root))

@@ -57,15 +57,19 @@ class DiskTier(FileTier):
             log.info("tier %s: swept %d orphaned temp files", self.name, swept)
         self._log_path = self.dir.base / "access.log"
         self._rebuild_index()
-        fd = os.open(self._log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            fd = self.dir.open_private_file(self._log_path.name, os.O_WRONLY | os.O_APPEND)
+        except BaseException:
+            os.close(self._lockfd)
+            raise
         self._log = os.fdopen(fd, "ab", buffering=1 << 16)
         self._log_failed = False
         self._last_flush = time.monotonic()
         self.metrics.used(self._used)
 
     def _take_ownership(self) -> int:
-        path = self.dir.base / OWNER_LOCK
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        # This user's file alone: a lock another user can open is one they can hold.
+        fd = self.dir.open_private_file(OWNER_LOCK, os.O_RDWR)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

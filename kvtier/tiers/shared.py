@@ -81,6 +81,7 @@ class SharedTier(FileTier):
     kind = "shared"
     Config = SharedConfig
     defer_stamps = True  # a stamp is a round trip to the mount: made once the load's consumer is done
+    shared_folder = True  # the folder must exist (a mount point): an unmounted one is not filled locally
 
     def __init__(self, config: SharedConfig, metrics=None, breaker=None, pool=None):
         super().__init__(config, metrics, breaker, pool)
