@@ -115,11 +115,7 @@ def open_root(root: Path, key: str, shared: bool) -> int:
         fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         if shared:
-            raise ConfigError(
-                key, f"{root} does not exist; a shared tier's folder is not made by kvtier (it is usually a mount "
-                "point, and one that is not mounted must not be filled on the local disk)",
-                f"mount the shared file system at {root} (or make the folder, if it is meant to be there) and start "
-                "again; kvtier makes only kvtier-v1/ inside it") from None
+            raise _no_shared_root(root, key) from None
         return _make_root(root, key)
     except NotADirectoryError:
         raise ConfigError(key, f"{root} is not a folder", f"set {key} to a folder") from None
@@ -137,6 +133,24 @@ def open_root(root: Path, key: str, shared: bool) -> int:
             os.close(fd)
             raise
     return fd
+
+
+def check_shared_root(root: str | os.PathLike, key: str) -> None:
+    """Raise ConfigError unless a shared tier's folder ``root`` exists
+    (``kvtier serve`` checks before it starts an engine)."""
+    root = Path(os.path.abspath(root))
+    if not root.exists():
+        raise _no_shared_root(root, key)
+    if not root.is_dir():
+        raise ConfigError(key, f"{root} is not a folder", f"set {key} to a folder")
+
+
+def _no_shared_root(root: Path, key: str) -> ConfigError:
+    return ConfigError(
+        key, f"{root} does not exist; a shared tier's folder is not made by kvtier (it is usually a mount point, and "
+        "one that is not mounted must not be filled on the local disk)",
+        f"mount the shared file system at {root} (or make the folder, if it is meant to be there) and start again; "
+        "kvtier makes only kvtier-v1/ inside it")
 
 
 def _make_root(root: Path, key: str) -> int:

@@ -52,6 +52,13 @@ class SharedConfig(FileTierConfig):
         super().validate(prefix)
         check_watermarks(prefix, self.low_watermark, self.high_watermark)
 
+    def check_location(self, prefix: str = "") -> None:
+        """Raise ConfigError unless the folder exists on this node (a mount
+        point that is not mounted is refused, never filled locally)."""
+        from kvtier.tiers.folders import check_shared_root
+
+        check_shared_root(self.path, f"{prefix}path")
+
 
 def plan_collection(entries: list[ObjectEntry], config) -> GcResult:
     """What one collection pass over ``entries`` would delete under
