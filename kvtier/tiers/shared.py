@@ -142,8 +142,10 @@ class SharedTier(FileTier):
             self._trigger.done()
 
     # ------------------------------------------------------------ gc
-    def gc(self, dry_run: bool = False, progress: Callable[[int], None] | None = None) -> GcResult:
-        """One collection pass (``Collector``). Safe to run from any number
+    def gc(self, dry_run: bool = False, progress: Callable[[int], None] | None = None,
+           approve: Callable[[GcResult], None] | None = None) -> GcResult:
+        """One collection pass (``Collector``; ``approve`` sees its plan
+        before it deletes, and raises to stop it). Safe to run from any number
         of instances; a dry run takes no lease, deletes and sweeps nothing.
         The stamps this instance's loads still owe are made first (at most
         a few seconds' wait): recency is judged on them. Not by a pass on
@@ -172,7 +174,7 @@ class SharedTier(FileTier):
             return replace(r, tmp_swept=tmp_swept, quarantine_swept=q_swept, victims=())
 
         return self._collector.collect(scan, _size, _mtime, lambda e: self.dir.unlink_path(e.path) is not None,
-                                       dry_run, finish)
+                                       dry_run, finish, approve)
 
     def _take_lease(self, lease: Path) -> str | None:
         """Take the collector lease at ``lease`` (``DirLeases.take_at``): its
