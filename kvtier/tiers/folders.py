@@ -14,7 +14,8 @@ So for a private tier (``ObjectDir(..., shared=False)``):
   existing folder it makes it in) must be owned by this user or root, and
   writable by nobody else unless sticky (as ``/tmp`` and ``/dev/shm`` are):
   anyone who can rename entries there could swap the tier's folder for one
-  of their own;
+  of their own; so must every link on the configured path (whoever owns a
+  link can point it elsewhere);
 - missing folders are made 0700, one level at a time, each opened with
   O_NOFOLLOW and checked through its descriptor (``fstat``), so that a link
   or a foreign folder put in place between ``mkdir`` and the check is
@@ -111,6 +112,8 @@ def open_root(root: Path, key: str, shared: bool) -> int:
     docstring says. A private tier's missing folders are made; a shared
     tier's folder must exist."""
     root = Path(os.path.abspath(root))
+    if not shared:
+        _check_links(root, key)
     try:
         fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
@@ -133,6 +136,24 @@ def open_root(root: Path, key: str, shared: bool) -> int:
             os.close(fd)
             raise
     return fd
+
+
+def _check_links(root: Path, key: str) -> None:
+    """A link on the way to a private tier's folder must be this user's or
+    root's: whoever owns it can point it elsewhere at any time, and kvtier
+    opens the tier's folders by their path again for each operation."""
+    me = os.geteuid()
+    at = Path(root.anchor)
+    for part in root.parts[1:]:
+        at = at / part
+        try:
+            st = os.lstat(at)
+        except OSError:
+            return  # missing: made, and checked, by ``_make_root``
+        if stat.S_ISLNK(st.st_mode) and st.st_uid not in (me, 0):
+            raise ConfigError(
+                key, f"{at}, on the way to {root}, is a symbolic link of {user(st.st_uid)}, who can point it "
+                "elsewhere at any time", f"set {key} to a path without that link, or remove it")
 
 
 def check_shared_root(root: str | os.PathLike, key: str) -> None:

@@ -107,6 +107,20 @@ def test_the_folder_a_private_tier_is_in_must_be_safe_from_other_users(tmp_path)
     _refused(lambda: _shm(parent / "tier"), f"{parent}, the folder {parent / 'tier'} is in, belongs to nobody")
 
 
+def test_a_link_of_another_user_on_the_way_is_refused(tmp_path):
+    """Whoever owns a link on the tier's path can point it elsewhere after
+    the checks (kvtier opens its folders by path for each operation)."""
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    os.lchown(link, OTHER, OTHER)
+    _refused(lambda: _shm(link / "tier"), f"{link}, on the way to {link / 'tier'}, is a symbolic link of nobody")
+    assert os.listdir(real) == []
+    os.lchown(link, 0, 0)  # this user's own link: the operator's choice of path
+    _works(_shm(link / "tier"))
+
+
 @pytest.mark.parametrize("open_tier,lock", [(_shm, "node.lock"), (_shm, "node.ledger"), (_disk, "disk.lock")])
 def test_a_lock_file_another_user_can_hold_is_refused(tmp_path, open_tier, lock):
     """A lock or ledger file of another user's (or one others can write)
