@@ -4,8 +4,10 @@ OpenAI-compatible server with kvtier as its KV connector.
 What it does, in order:
 
 1. reads and validates the kvtier config (file, then ``KVTIER_*``) exactly as
-   the connector will, so a bad key stops here with the key and the fix
-   (exit status 2), not inside an engine process a minute later;
+   the connector will, and checks that each shared tier's folder exists
+   here (a mount point that is not mounted), so a bad key stops here with
+   the key and the fix (exit status 2), not inside an engine process a
+   minute later;
 2. builds ``--kv-transfer-config`` (connector, module path, ``kv_both``,
    ``kv_load_failure_policy: recompute``, and ``{"config": ABSPATH}`` as
    ``kv_connector_extra_config``: the file stays the one source of truth and
@@ -103,6 +105,10 @@ def connector_extra(config_path: str | None, inline: bool, environ: dict[str, st
 
     path = config_path or environ.get("KVTIER_CONFIG")
     cfg = load_config(path, environ=environ)  # raises ConfigError naming the key and the fix
+    for i, spec in enumerate(cfg.tiers):  # what can be checked before an engine starts: a shared folder's mount
+        check = getattr(spec.config, "check_location", None)
+        if check is not None:
+            check(f"tiers[{i}].")
     parse_connector_keys(connector_section(path, environ), [t.config.name for t in cfg.tiers])  # its vllm: section too
     if not path:
         return {}  # KVTIER_* variables only: the engine reads them from its environment

@@ -103,6 +103,9 @@ def disk_config(path: Path, capacity: int = 64 * OBJ, **kw) -> DiskConfig:
 
 
 def shared_config(path: Path, capacity: int = 64 * OBJ, **kw) -> SharedConfig:
+    """A shared tier at ``path``, which is made here if missing: a shared
+    tier's folder must exist (a mount point), kvtier never makes it."""
+    Path(path).mkdir(parents=True, exist_ok=True)
     kw.setdefault("io_threads", 4)
     kw.setdefault("gc_interval_s", 0.0)  # tests run collection passes themselves
     return SharedConfig(path=str(path), capacity=capacity, **kw)

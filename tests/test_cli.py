@@ -24,6 +24,7 @@ def populate(path, n=6, tokens_per_chunk=16):
     ns = Namespace("m", "fp", "float16", "test", 2, 2, 8, chunk_tokens=tokens_per_chunk)
     keys = chunk_keys(ns, list(range(n * tokens_per_chunk)))
     objs = [encode(k, "float16", (2, 2, 2, k.num_tokens, 8), os.urandom(k.num_tokens * 128)) for k in keys]
+    path.mkdir(parents=True, exist_ok=True)  # a shared tier's folder must exist (a mount point)
     with SharedTier(SharedConfig(path=str(path), capacity=1 << 30, gc_interval_s=0)) as t:
         assert t.store(objs) == n
         paths = [t.dir.path(k) for k in keys]
@@ -71,10 +72,43 @@ def test_store_gc_collects_least_recently_used(tmp_path):
     proc = kvtier("store", "gc", "--dir", str(tmp_path), "--capacity", f"{capacity}B",
                   "--high-watermark", "0.9", "--low-watermark", "0.5", "--dry-run")
     assert "would delete 6" in proc.stdout and all(p.exists() for p in paths)
+    listed = [line.split()[1] for line in proc.stdout.splitlines()[1:]]
+    assert listed == [p.stem for p in paths[:6]]  # what would go, least recently used first
     proc = kvtier("store", "gc", "--dir", str(tmp_path), "--capacity", f"{capacity}B",
-                  "--high-watermark", "0.9", "--low-watermark", "0.5")
+                  "--high-watermark", "0.9", "--low-watermark", "0.5", "--yes")
     assert "deleted 6" in proc.stdout
     assert [p.exists() for p in paths] == [False] * 6 + [True] * 4
+
+
+def test_store_gc_runs_a_routine_pass_without_asking(tmp_path):
+    _, objs, paths = populate(tmp_path, n=10)
+    for i, p in enumerate(paths):
+        os.utime(p, (1000 + i, 1000 + i))
+    capacity = int(10.4 * objs[0].nbytes)  # 96 % used: over 0.95, collected down to 0.85, 2 of 10 objects
+    proc = kvtier("store", "gc", "--dir", str(tmp_path), "--capacity", str(capacity))
+    assert "deleted 2" in proc.stdout
+    assert [p.exists() for p in paths] == [False] * 2 + [True] * 8
+
+
+def test_store_gc_with_a_capacity_that_would_empty_the_tier_asks_for_yes(tmp_path):
+    """``--capacity 20B`` (or 20 with the unit forgotten) would delete every
+    object: refused, exit 2, nothing deleted, saying what would go and how
+    to confirm; --dry-run lists it; --yes does it."""
+    _, _, paths = populate(tmp_path, n=10)
+    objects = tmp_path / "kvtier-v1" / "objects"
+    before = _tree(objects)
+    proc = kvtier("store", "gc", "--dir", str(tmp_path), "--capacity", "20B", check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert "would delete 10 of the 10 objects" in proc.stderr and "100%" in proc.stderr
+    assert "--dry-run" in proc.stderr and "--yes" in proc.stderr and "Traceback" not in proc.stderr
+    assert _tree(objects) == before
+    assert not (tmp_path / "kvtier-v1" / "gc.lease").exists()  # the refused pass gave its lease back
+    proc = kvtier("store", "gc", "--dir", str(tmp_path), "--capacity", "20B", "--dry-run")
+    assert "would delete 10" in proc.stdout
+    assert sorted(line.split()[1] for line in proc.stdout.splitlines()[1:]) == sorted(p.stem for p in paths)
+    assert _tree(objects) == before
+    proc = kvtier("store", "gc", "--dir", str(tmp_path), "--capacity", "20B", "--yes")
+    assert "deleted 10" in proc.stdout and not any(p.exists() for p in paths)
 
 
 def test_store_gc_needs_capacity_and_sane_watermarks(tmp_path):
@@ -297,11 +331,17 @@ def test_verify_and_gc_refuse_a_running_engines_disk_tier_and_work_once_it_stopp
         engine.close()
 
     assert "verified 10 objects; 0 bad" in kvtier("store", "verify", "--dir", str(tmp_path), "--no-progress").stdout
-    proc = kvtier("store", "gc", "--dir", str(tmp_path), "--capacity", f"{8 * OBJ}B", "--dry-run", check=False)
-    assert proc.returncode == 2 and "--dry-run" in proc.stderr and "access log" in proc.stderr
     # The tier's own eviction, by its access log: the reads count, not the files' mtimes.
-    out = kvtier("store", "gc", "--dir", str(tmp_path), "--capacity", f"{8 * OBJ}B",
-                 "--high-watermark", "0.9", "--low-watermark", "0.5").stdout
+    gc = ["store", "gc", "--dir", str(tmp_path), "--capacity", f"{8 * OBJ}B", "--high-watermark", "0.9",
+          "--low-watermark", "0.5"]
+    before = _tree(tmp_path)
+    out = kvtier(*gc, "--dry-run").stdout
+    assert "would delete 6" in out
+    assert [line.split()[1] for line in out.splitlines()[1:]] == [k.hex for k in c.keys[1:7]]
+    proc = kvtier(*gc, check=False)  # 60 % of the tier: more than a routine pass
+    assert proc.returncode == 2 and "would delete 6 of the 10 objects" in proc.stderr and "--yes" in proc.stderr
+    assert _tree(tmp_path) == before  # neither the plan nor the refusal changed anything
+    out = kvtier(*gc, "--yes").stdout
     assert "deleted 6" in out
     again = DiskTier(disk_config(tmp_path, 64 * OBJ))
     try:
@@ -323,7 +363,7 @@ def test_verify_and_gc_work_on_a_shared_directory_engines_are_using(tmp_path):
         assert "verified 10 objects; 0 bad" in kvtier("store", "verify", "--dir", str(tmp_path), "--no-progress",
                                                      "--quarantine").stdout
         out = kvtier("store", "gc", "--dir", str(tmp_path), "--capacity", f"{8 * OBJ}B",
-                     "--high-watermark", "0.9", "--low-watermark", "0.5").stdout
+                     "--high-watermark", "0.9", "--low-watermark", "0.5", "--yes").stdout
         assert "deleted 6" in out
         assert [engines[0].lookup([k]) for k in c.keys] == [0] * 6 + [1] * 4
     finally:

@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def cfg(tmp_path) -> Path:
+    (tmp_path / "kv").mkdir()  # the shared tier's folder (a mount point)
     p = tmp_path / "kvtier.yaml"
     p.write_text(f"chunk_tokens: 256\ntiers:\n  - kind: shared\n    path: {tmp_path / 'kv'}\n    capacity: 1GiB\n")
     return p
@@ -133,6 +134,19 @@ def test_dry_run_never_shows_a_credential(tmp_path):
         run = _dry_run({"KVTIER_TIERS": url})
         assert run.returncode == 2 and "tiers[0]." in run.stderr and "Traceback" not in run.stderr
         assert secret not in run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("dry_run", [["--dry-run"], []])
+def test_an_unmounted_shared_folder_exits_2_before_vllm_starts(cfg, tmp_path, capsys, monkeypatch, dry_run):
+    """A shared tier's folder that is missing (a mount point not mounted)
+    is refused here, not made on the local disk by the engine."""
+    started = []
+    monkeypatch.setattr(serve, "supervise", lambda cmd, **kw: started.append(cmd) or 0)
+    (tmp_path / "kv").rmdir()
+    assert main(["serve", "m", "--config", str(cfg), "--launcher", "module", *dry_run]) == 2
+    err = capsys.readouterr().err
+    assert "tiers[0].path" in err and f"{tmp_path / 'kv'} does not exist" in err and "Fix: mount" in err
+    assert started == [] and not (tmp_path / "kv").exists()
 
 
 def test_cli_bad_config_exits_2(tmp_path, capsys):

@@ -339,6 +339,7 @@ def _run_config(cfg: ResumeConfig, name: str, label: str, workload: wl.Workload,
     store = cfg.workdir / "stores" / f"{cfg.workload}-{name}-{label}"
     # Every run starts from an empty store: nothing left from a previous run may hit.
     shutil.rmtree(store, ignore_errors=True)
+    store.mkdir(parents=True)  # a shared tier's folder must exist, as a mount point does
     k = workload.instances
     cpus = sorted(os.sched_getaffinity(0))
     # The node's memory tier lives in tmpfs beyond this run unless removed:

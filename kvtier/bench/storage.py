@@ -183,6 +183,7 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
     # store, so that a second run on it reads what the first wrote): the
     # modes with a key check the seals; the others do not look at them.
     t_start = t0 = time.perf_counter()
+    store_dir.mkdir(parents=True, exist_ok=True)  # a shared tier's folder must exist, as a mount point does
     key_file = bench_key_file(root)
     writer_cfg = _shared_spec(store_dir, capacity, 64 * MiB, cfg.io_threads).config
     with SharedTier(writer_cfg) as writer:

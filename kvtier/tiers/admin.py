@@ -18,13 +18,18 @@ the owning tier would do it, and only where the tier lets it:
   or moved behind it would still be counted against its capacity. While they
   run, an engine that starts on the folder refuses in turn. ``gc`` on a
   stopped disk tier is the tier's own start-up eviction (least recently used
-  first, by its access log), run by opening the tier.
+  first, by its access log), run by opening the tier; its dry run reads the
+  same log.
 - **shm**: only looked at. The node memory tier admits, evicts and removes bad
   objects itself, under its node lock; a change behind its ledger would skew
   it for every process of the node.
 - **shared**: anything, from any node, while engines use it: a collection pass
   takes the tier's lease (``SharedTier.gc``), and deleting or moving a
   content-addressed object is safe under readers.
+
+A ``gc`` pass deletes no more than a routine pass would (``confirm``) unless
+its caller confirms it (``--yes``): a capacity given far below the tier's
+real one (a unit forgotten) would otherwise empty a tier every node uses.
 
 Verification is the tiers' own: each object's header is read as ``read``
 opens objects (folder by folder, O_NOFOLLOW), then the object is read and
@@ -125,31 +130,54 @@ class AdminStore:
         return verify_objects(self.dir, entries, quarantine, progress("verify", len(entries)), keyring)
 
     # ------------------------------------------------------------ gc
-    def gc(self, cfg, dry_run: bool):
+    def gc(self, cfg, dry_run: bool, yes: bool = False):
         """One collection pass under ``cfg`` (a ``SharedConfig`` of this
-        directory: capacity and watermarks) (``GcResult``).
+        directory: capacity and watermarks) (``GcResult``). A pass that
+        would delete more than a routine one (``confirm``) raises
+        ConfigError naming what would go, unless ``yes``; ``dry_run`` only
+        plans (the result's ``victims``: what would go, least recent first).
 
         shared: the tier's own pass under its lease (``SharedTier.gc``), or
         with ``dry_run`` its plan alone (``plan_collection``: no lease, no
-        sweep, no deletion). disk: the tier's start-up eviction, down to the
-        low watermark of the capacity once usage passes the high one; its recency lives in its access log, which only
-        the tier reads, so there is no dry run."""
+        sweep, no deletion). disk: the tier's start-up eviction, least
+        recently used first by its access log, down to the low watermark of
+        the capacity once usage passes the high one."""
         from kvtier.tiers.shared import SharedTier, plan_collection
 
         self.claim("gc")
         if self.kind == "disk":
+            plan = self._disk_plan(cfg)
             if dry_run:
-                raise ConfigError("--dry-run", f"{self.dir.root} is a disk tier's folder, whose recency is in the "
-                                  "tier's own access log", "run gc without --dry-run (the disk tier evicts, least "
-                                  "recently used first), or see usage with `kvtier store stat`")
+                return plan
+            confirm(plan, cfg, yes, self.dir.root)
             return self._disk_gc(cfg)
         if dry_run:
             return plan_collection(list(self.dir.scan()), cfg)
         tier = SharedTier(cfg)
         try:
-            return tier.gc()
+            return tier.gc(approve=lambda plan: confirm(plan, cfg, yes, self.dir.root))
         finally:
             tier.close()
+
+    def _disk_plan(self, cfg):
+        """What the disk tier's eviction under ``cfg`` would delete, read
+        from its folder and access log without changing either."""
+        from kvtier.tiers.collector import GcResult
+        from kvtier.tiers.disk import by_recency
+
+        t0 = time.monotonic()
+        order, _ = by_recency(self.dir)
+        entries = [e for _, e, _ in order]
+        used = before = sum(e.size for e in entries)
+        target = _disk_target(cfg, before)
+        victims = []
+        for e in entries:
+            if used <= target:
+                break
+            victims.append(e)
+            used -= e.size
+        return GcResult(True, len(entries), before, len(victims), used, seconds=time.monotonic() - t0,
+                        victims=tuple(victims))
 
     def _disk_gc(self, cfg):
         from kvtier.tiers.disk import DiskConfig, DiskTier
@@ -158,7 +186,7 @@ class AdminStore:
         t0 = time.monotonic()
         entries = list(self.dir.scan())
         before = sum(e.size for e in entries)
-        target = int(cfg.low_watermark * cfg.capacity) if before > cfg.high_watermark * cfg.capacity else cfg.capacity
+        target = _disk_target(cfg, before)
         tmp_before = self.dir.count("tmp")
         # The tier takes its owner lock itself: ours goes first. An engine
         # that starts in between makes the tier refuse (ConfigError) instead.
@@ -170,6 +198,53 @@ class AdminStore:
             tier.close()
         return GcResult(True, len(entries), before, len(entries) - after.objects, after.used_bytes,
                         max(0, tmp_before - self.dir.count("tmp")), 0, time.monotonic() - t0)
+
+
+def _disk_target(cfg, used: int) -> int:
+    """Bytes the disk tier's eviction leaves of ``used`` under ``cfg``'s
+    capacity and watermarks (``WatermarkPolicy``, as the shared tier's)."""
+    return int(cfg.low_watermark * cfg.capacity) if used > cfg.high_watermark * cfg.capacity else cfg.capacity
+
+
+# A pass that would delete more than this share of a tier's objects or bytes
+# asks for --yes, unless the watermarks themselves ask for more: a routine
+# pass, started as usage passes the high watermark, frees about 1 - low/high
+# of what the tier holds (0.105 at the defaults). Far more is the mark of a
+# capacity given far below what the tier holds: a unit forgotten, a typo.
+CONFIRM_SHARE = 0.25
+
+
+def confirm_limit(cfg) -> float:
+    """The share of a tier's objects or bytes a pass under ``cfg`` may
+    delete without --yes."""
+    return max(CONFIRM_SHARE, 1 - cfg.low_watermark / cfg.high_watermark)
+
+
+def confirm(plan, cfg, yes: bool, root) -> None:
+    """Raise ConfigError (exit status 2) naming what ``plan`` (a
+    ``GcResult`` before deletion) would delete, when it is more than a
+    routine pass would (``confirm_limit``) and ``yes`` was not given."""
+    if yes or not plan.deleted:
+        return
+    freed = plan.bytes_before - plan.bytes_after
+    share = max(plan.deleted / max(1, plan.objects), freed / max(1, plan.bytes_before))
+    limit = confirm_limit(cfg)
+    if share <= limit:
+        return
+    raise ConfigError(
+        "--capacity", f"this pass would delete {plan.deleted} of the {plan.objects} objects in {root} "
+        f"({_size(freed)} of {_size(plan.bytes_before)}, {share:.0%}), the least recently used, to bring usage "
+        f"under {cfg.low_watermark:g} x --capacity {_size(cfg.capacity)}; a routine pass deletes at most "
+        f"{limit:.0%}, so --capacity may be far below the tier's real capacity",
+        "give the tier's capacity with its unit (e.g. --capacity 10TiB); see what would go with --dry-run; "
+        "to delete it all the same, run again with --yes")
+
+
+def _size(n: int) -> str:
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n} B"
 
 
 def verify_objects(odir: ObjectDir, entries: Sequence[ObjectEntry], quarantine: bool,

@@ -3,7 +3,9 @@ administered from outside the engines. Each command opens it with
 ``AdminStore`` (``tiers/admin.py``), which tells the tier's kind and honours
 its owner: ``ls`` and ``stat`` only look; ``verify`` and ``gc`` refuse a
 running engine's disk tier (exit status 2, naming the fix) and work on a
-shared directory from any node.
+shared directory from any node. ``gc`` deletes no more than a routine pass
+would unless ``--yes`` confirms it (``admin.confirm``): a ``--capacity``
+far below the tier's real one must not empty it.
 """
 
 from __future__ import annotations
@@ -67,13 +69,18 @@ def register(subparsers) -> None:
         description="One collection pass: if usage exceeds HIGH x CAPACITY, delete the least recently used objects "
         "until usage is under LOW x CAPACITY; sweep dead writers' temp files. On a shared directory: safe from any "
         "instance at any time (a lease keeps two passes apart). On a disk tier's folder: only while no engine "
-        "holds it (the tier's own eviction, by its access log; no --dry-run).",
+        "holds it (the tier's own eviction, by its access log). A pass that would delete more than a routine one "
+        "(more than 25% of the objects or bytes, or than 1 - LOW/HIGH where that is more: the mark of a "
+        "--capacity far below the tier's real one) deletes nothing and exits with status 2 unless --yes is given.",
     ))
     gc.add_argument("--capacity", type=argtypes.size, help="the tier's capacity, e.g. 10TiB (required)")
     gc.add_argument("--high-watermark", type=float, default=0.95, help="start collecting above this fraction (default 0.95)")
     gc.add_argument("--low-watermark", type=float, default=0.85, help="collect down to this fraction (default 0.85)")
     gc.add_argument("--dry-run", action="store_true",
-                    help="report what would be deleted, touching nothing (no lease, no sweep, no deletion)")
+                    help="list what would be deleted (namespace, key, bytes, last access; least recent first), "
+                    "touching nothing (no lease, no sweep, no deletion)")
+    gc.add_argument("--yes", action="store_true",
+                    help="delete even where the pass takes more than a routine one would (see above)")
     gc.set_defaults(func=cmd_store_gc)
 
 
@@ -99,12 +106,17 @@ def cmd_store_ls(args: argparse.Namespace) -> int:
     odir = _look(args)
     n = 0
     for e in odir.scan():
-        ts = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.mtime))
-        print(f"{e.ns_hex}  {e.key_hex}  {e.size:>12}  {ts}")
+        print(_line(e))
         n += 1
         if args.limit and n >= args.limit:
             break
     return 0
+
+
+def _line(e) -> str:
+    """An object as ``ls`` lists it: namespace, key, bytes, last access."""
+    ts = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.mtime))
+    return f"{e.ns_hex}  {e.key_hex}  {e.size:>12}  {ts}"
 
 
 def cmd_store_stat(args: argparse.Namespace) -> int:
@@ -181,7 +193,7 @@ def cmd_store_gc(args: argparse.Namespace) -> int:
 
     cfg = _gc_config(args)
     with AdminStore(args.dir) as store:  # an existing store only: gc never creates one
-        r = store.gc(cfg, dry_run=args.dry_run)
+        r = store.gc(cfg, dry_run=args.dry_run, yes=args.yes)
     if not r.ran:
         print("another collector holds the lease; nothing done")
         return 0
@@ -191,4 +203,6 @@ def cmd_store_gc(args: argparse.Namespace) -> int:
         f"now {r.bytes_after / (1 << 30):.2f} GiB of {args.capacity / (1 << 30):.2f} GiB; "
         f"swept {r.tmp_swept} temp and {r.quarantine_swept} quarantined files in {r.seconds:.1f}s"
     )
+    for e in r.victims:  # a dry run's plan
+        print(_line(e))
     return 0

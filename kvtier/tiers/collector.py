@@ -170,11 +170,14 @@ class Collector(Generic[E]):
         delete: Callable[[E], bool],
         dry_run: bool = False,
         finish: Callable[[GcResult], GcResult] = lambda r: r,
+        approve: Callable[[GcResult], None] | None = None,
     ) -> GcResult:
         """One pass; a dry run takes no lease and deletes nothing (its result
         carries the victims). ``finish`` runs inside the lease with the
         pass's result and returns the final one (the tier's own sweeps and
-        usage figures)."""
+        usage figures). ``approve`` sees the plan (victims included) before
+        anything is deleted and raises to stop the pass (``kvtier store gc``
+        asks for --yes so)."""
         t0 = time.monotonic()
         lease: Lease | None = None
         if not dry_run:
@@ -193,7 +196,7 @@ class Collector(Generic[E]):
                 log.warning("tier %s: collection could not list its objects: %s", self.name, _brief(exc))
                 self.metrics.error("gc")
                 return GcResult(False, seconds=time.monotonic() - t0, reason="listing failed")
-            return self.sweep(entries, size, recency, delete, lease, dry_run, finish, t0)
+            return self.sweep(entries, size, recency, delete, lease, dry_run, finish, t0, approve)
         finally:
             if lease is not None:
                 self.leases.release(lease)
@@ -208,12 +211,16 @@ class Collector(Generic[E]):
         dry_run: bool,
         finish: Callable[[GcResult], GcResult] = lambda r: r,
         t0: float | None = None,
+        approve: Callable[[GcResult], None] | None = None,
     ) -> GcResult:
         """The pass over listed ``entries`` under ``lease`` (held by the
         caller; None: none): deletes the policy's victims while the lease is
-        valid."""
+        valid, once ``approve`` (if given) returned on the plan."""
         t0 = time.monotonic() if t0 is None else t0
         total, victims = self.policy.victims(entries, size, recency)
+        if approve is not None:
+            approve(GcResult(True, len(entries), total, len(victims), total - sum(size(e) for e in victims),
+                             victims=tuple(victims)))
         after, deleted = total, 0
         for e in victims:
             if lease is not None and not lease.valid():

@@ -25,7 +25,7 @@ from kvtier.codec import ChunkObject
 from kvtier.config import ConfigError, opt
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import TierStats
-from kvtier.tiers.files import OpenRead
+from kvtier.tiers.files import ObjectDir, ObjectEntry, OpenRead
 from kvtier.tiers.filetier import FileTier, FileTierConfig
 from kvtier.tiers.stamps import LoadStamps
 
@@ -34,6 +34,40 @@ log = logging.getLogger(__name__)
 _REC = struct.Struct("<32s8sd")
 _FLUSH_S = 2.0
 OWNER_LOCK = "disk.lock"  # under kvtier-v1/; `kvtier store` tries it too (tiers/admin.py)
+ACCESS_LOG = "access.log"  # under kvtier-v1/; `kvtier store gc --dry-run` reads it too
+
+
+def by_recency(odir: ObjectDir) -> tuple[list[tuple[bytes, ObjectEntry, float]], int]:
+    """A disk tier's objects in ``odir``, least recently used first by its
+    access log (an object the log does not name: by its file's mtime), as
+    (key digest, entry, last use); and the log's length in bytes. Reads
+    only: the tier's start and ``kvtier store gc --dry-run`` order alike."""
+    files: dict[bytes, ObjectEntry] = {}
+    for e in odir.scan():
+        try:
+            digest = bytes.fromhex(e.key_hex)
+            bytes.fromhex(e.ns_hex)
+        except ValueError:
+            continue  # not a name kvtier writes: not ours to count or evict
+        files[digest] = e
+    data = _read_log(odir.base / ACCESS_LOG)
+    last: dict[bytes, float] = {}
+    for off in range(0, len(data) - len(data) % _REC.size, _REC.size):
+        digest, _, t = _REC.unpack_from(data, off)
+        last[digest] = t
+    order = sorted(files, key=lambda d: last.get(d, files[d].mtime))
+    return [(d, files[d], last.get(d, files[d].mtime)) for d in order], len(data)
+
+
+def _read_log(path: Path) -> bytes:
+    """The access log's bytes; none where it is missing or unreadable
+    (recency is a hint) or a link stands in its place (never followed)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return b""
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
 
 
 @dataclass(frozen=True)
@@ -55,17 +89,21 @@ class DiskTier(FileTier):
         swept = self.dir.sweep_tmp(0.0)  # we own the directory: every temp file is an orphan
         if swept:
             log.info("tier %s: swept %d orphaned temp files", self.name, swept)
-        self._log_path = self.dir.base / "access.log"
+        self._log_path = self.dir.base / ACCESS_LOG
         self._rebuild_index()
-        fd = os.open(self._log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            fd = self.dir.open_private_file(self._log_path.name, os.O_WRONLY | os.O_APPEND)
+        except BaseException:
+            os.close(self._lockfd)
+            raise
         self._log = os.fdopen(fd, "ab", buffering=1 << 16)
         self._log_failed = False
         self._last_flush = time.monotonic()
         self.metrics.used(self._used)
 
     def _take_ownership(self) -> int:
-        path = self.dir.base / OWNER_LOCK
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        # This user's file alone: a lock another user can open is one they can hold.
+        fd = self.dir.open_private_file(OWNER_LOCK, os.O_RDWR)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -78,26 +116,11 @@ class DiskTier(FileTier):
         return fd
 
     def _rebuild_index(self) -> None:
-        files: dict[bytes, tuple[Path, int, float, bytes]] = {}
-        for e in self.dir.scan():
-            try:
-                files[bytes.fromhex(e.key_hex)] = (e.path, e.size, e.mtime, bytes.fromhex(e.ns_hex)[:8])
-            except ValueError:
-                continue  # not a name kvtier writes: not ours to count or evict
-        last: dict[bytes, float] = {}
-        try:
-            data = self._log_path.read_bytes()
-        except FileNotFoundError:
-            data = b""
-        for off in range(0, len(data) - len(data) % _REC.size, _REC.size):
-            digest, _, t = _REC.unpack_from(data, off)
-            last[digest] = t
-        order = sorted(files, key=lambda d: last.get(d, files[d][2]))
-        for d in order:
-            path, size, _, _ = files[d]
-            self._index[d] = (path, size)
-            self._used += size
-        self._compact_log([_REC.pack(d, files[d][3], last.get(d, files[d][2])) for d in order], len(data))
+        order, log_len = by_recency(self.dir)
+        for d, e, _ in order:
+            self._index[d] = (e.path, e.size)
+            self._used += e.size
+        self._compact_log([_REC.pack(d, bytes.fromhex(e.ns_hex)[:8], t) for d, e, t in order], log_len)
         # Over capacity after a restart with a smaller limit: evict now.
         with self._lock:
             victims = self._evict_locked(0)

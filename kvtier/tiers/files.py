@@ -11,7 +11,8 @@ Layout under the configured directory::
 Names hold only hex digests: no token, model or tenant text ever appears in a
 path. Objects are published by ``rename`` from ``tmp/`` (same file system), so
 a reader sees either no file or a complete one. Files are opened with
-O_NOFOLLOW and created 0600 in 0700 directories.
+O_NOFOLLOW and created 0600 in 0700 directories, whose owners and modes are
+checked as ``folders`` says (a node's private tiers: this user's alone).
 
 Why one module of about 600 lines: it is one class (and the handle of a
 write in progress) that owns every path operation a tier makes, each opening
@@ -40,7 +41,7 @@ from kvtier.codec import HEADER_BLOCK, MAX_PAYLOAD, ChunkObject, Header, decode,
 from kvtier.config import ConfigError
 from kvtier.errors import CorruptObject
 from kvtier.keys import ChunkKey
-from kvtier.tiers import beneath
+from kvtier.tiers import beneath, folders
 from kvtier.tiers.stamps import LoadStamps
 
 
@@ -142,15 +143,20 @@ class ObjectDir:
     """The directory layout and its file operations. Thread-safe; no state
     beyond paths and the O_DIRECT fallback flag."""
 
-    def __init__(self, root: str | os.PathLike, config_key: str, create: bool = True):
+    def __init__(self, root: str | os.PathLike, config_key: str, create: bool = True, shared: bool = False):
         """``create``: make the layout if it is missing and check that it
         is writable (tiers). Without it nothing is created or written: the
-        store must exist (administration commands that only look)."""
+        store must exist (administration commands that only look).
+        ``shared``: a folder many nodes use (``folders``: it must exist, and
+        its owners and modes are the operator's); else a node's private
+        tier's, which must be this user's alone (a missing one is made)."""
         self.root = Path(root)
         self.base = self.root / LAYOUT_DIR
         self.objects = self.base / "objects"
         self.tmp = self.base / "tmp"
         self.quarantine_dir = self.base / "quarantine"
+        self.key = config_key
+        self.shared = shared
         self.direct_ok = True
         # Objects written with O_DIRECT where their buffers allow it: set by
         # the tier (its ``direct_writes``); off once the file system refused.
@@ -161,22 +167,24 @@ class ObjectDir:
                                   "check the path; commands that only look never create a store")
             return
         try:
-            for d in (self.base, self.objects, self.tmp, self.quarantine_dir):
-                d.mkdir(mode=0o700, parents=True, exist_ok=True)
-                if d.is_symlink():
-                    raise OSError(errno.ELOOP, "is a symlink")
-            # Unique per open: two opens of one directory at once (threads of
-            # one process included) must not remove each other's probe.
-            probe = self.tmp / f"{HOST}.{os.getpid()}.{secrets.token_hex(6)}.probe"
-            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-            os.close(fd)
-            probe.unlink()
+            folders.make_layout(self.root, (LAYOUT_DIR, ("objects", "tmp", "quarantine")), config_key, shared,
+                                probe=f"{HOST}.{os.getpid()}.{secrets.token_hex(6)}.probe")
         except OSError as exc:
             raise ConfigError(
                 config_key,
                 f"directory {self.root} is not usable ({exc.strerror or exc})",
                 "point it at a writable directory owned by this user",
             ) from None
+
+    def open_private_file(self, name: str, flags: int) -> int:
+        """Open (or create) the file ``name`` beside the objects
+        (``kvtier-v1/NAME``: a lock, ledger or log of a private tier), this
+        user's alone (``folders.open_private_file``)."""
+        dfd = os.open(self.base, _DIR_FLAGS)
+        try:
+            return folders.open_private_file(dfd, self.base, name, flags, self.key)
+        finally:
+            os.close(dfd)
 
     # ------------------------------------------------------------ names
     def path(self, key: ChunkKey) -> Path:
@@ -591,12 +599,17 @@ class ObjectDir:
         return self._sweep("tmp", dead_or_old)
 
     def count(self, folder: str) -> int:
-        """Entries in ``tmp`` or ``quarantine`` (0 if the folder is missing)."""
+        """Entries in ``tmp`` or ``quarantine`` (0 if the folder is missing
+        or is not a folder)."""
         try:
-            with os.scandir(self.base / folder) as it:
-                return sum(1 for _ in it)
-        except (FileNotFoundError, NotADirectoryError):
+            dfd = self._open_dir((folder,))  # a link there is not ours: not counted through
+        except OSError:
             return 0
+        try:
+            with os.scandir(dfd) as it:
+                return sum(1 for _ in it)
+        finally:
+            os.close(dfd)
 
     def tmp_bytes(self) -> int:
         """Bytes of the temp files now in ``tmp/`` (writes in flight)."""

@@ -111,10 +111,14 @@ class FileTier(PooledTier):
     # Whether a load's recency stamps wait until its consumer is done
     # (stamps.py): where a stamp is a round trip to a shared mount.
     defer_stamps = False
+    # Whether the folder is one many nodes use (it must exist; its owners and
+    # modes are the operator's), not a node's private tier's (this user's
+    # alone, made if missing): ``folders``.
+    shared_folder = False
 
     def __init__(self, config: FileTierConfig, metrics=None, breaker: CircuitBreaker | None = None, pool=None):
         super().__init__(config, metrics, breaker, pool)
-        self.dir = ObjectDir(config.path, f"{self.name}.path")
+        self.dir = ObjectDir(config.path, f"{self.name}.path", shared=self.shared_folder)
         self.dir.direct_writes = config.direct_writes
         self.executor = PriorityExecutor(self.name, config.io_threads, on_cpu=self.metrics.job_cpu)
         self._aio_contexts = aio.ContextPool()  # reused by the loads' AIO drivers

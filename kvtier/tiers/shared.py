@@ -52,6 +52,13 @@ class SharedConfig(FileTierConfig):
         super().validate(prefix)
         check_watermarks(prefix, self.low_watermark, self.high_watermark)
 
+    def check_location(self, prefix: str = "") -> None:
+        """Raise ConfigError unless the folder exists on this node (a mount
+        point that is not mounted is refused, never filled locally)."""
+        from kvtier.tiers.folders import check_shared_root
+
+        check_shared_root(self.path, f"{prefix}path")
+
 
 def plan_collection(entries: list[ObjectEntry], config) -> GcResult:
     """What one collection pass over ``entries`` would delete under
@@ -82,6 +89,7 @@ class SharedTier(FileTier):
     shared_medium = True
     Config = SharedConfig
     defer_stamps = True  # a stamp is a round trip to the mount: made once the load's consumer is done
+    shared_folder = True  # the folder must exist (a mount point): an unmounted one is not filled locally
 
     def __init__(self, config: SharedConfig, metrics=None, breaker=None, pool=None):
         super().__init__(config, metrics, breaker, pool)
@@ -135,8 +143,10 @@ class SharedTier(FileTier):
             self._trigger.done()
 
     # ------------------------------------------------------------ gc
-    def gc(self, dry_run: bool = False, progress: Callable[[int], None] | None = None) -> GcResult:
-        """One collection pass (``Collector``). Safe to run from any number
+    def gc(self, dry_run: bool = False, progress: Callable[[int], None] | None = None,
+           approve: Callable[[GcResult], None] | None = None) -> GcResult:
+        """One collection pass (``Collector``; ``approve`` sees its plan
+        before it deletes, and raises to stop it). Safe to run from any number
         of instances; a dry run takes no lease, deletes and sweeps nothing.
         The stamps this instance's loads still owe are made first (at most
         a few seconds' wait): recency is judged on them. Not by a pass on
@@ -165,7 +175,7 @@ class SharedTier(FileTier):
             return replace(r, tmp_swept=tmp_swept, quarantine_swept=q_swept, victims=())
 
         return self._collector.collect(scan, _size, _mtime, lambda e: self.dir.unlink_path(e.path) is not None,
-                                       dry_run, finish)
+                                       dry_run, finish, approve)
 
     def _take_lease(self, lease: Path) -> str | None:
         """Take the collector lease at ``lease`` (``DirLeases.take_at``): its

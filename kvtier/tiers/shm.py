@@ -111,11 +111,16 @@ class ShmTier(FileTier):
         super().__init__(config, metrics, breaker, pool)
         self.capacity = config.capacity
         self._lock = threading.Lock()
-        base = self.dir.base
+        self._lockfd = self._ledger = -1
         try:
-            self._lockfd = os.open(base / "node.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            self._ledger = os.open(base / NODE_LEDGER, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            # This user's files alone: a lock another user can open is one they can hold.
+            self._lockfd = self.dir.open_private_file("node.lock", os.O_RDWR)
+            self._ledger = self.dir.open_private_file(NODE_LEDGER, os.O_RDWR)
+        except ConfigError:
+            self.close()
+            raise
         except OSError as exc:
+            self.close()
             raise ConfigError(f"{self.name}.path", f"{config.path} is not usable ({exc.strerror})",
                               "point it at a writable tmpfs directory, e.g. /dev/shm/kvtier") from None
         with self._node():

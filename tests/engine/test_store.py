@@ -40,6 +40,7 @@ def open_store(tmp_path, metrics):
                 spec.update(path=str(tmp_path / kind), io_threads=4)
             if kind == "shared":
                 spec["gc_interval_s"] = 0
+                (tmp_path / kind).mkdir(exist_ok=True)  # a shared tier's folder must exist (a mount point)
             specs.append(spec)
         store = TieredStore(parse_store_config({"tiers": specs, "chunk_tokens": 16, **opts}), metrics)
         opened.append(store)

@@ -37,6 +37,7 @@ def _ikey(k) -> int:
 
 @pytest.fixture
 def pair(tmp_path):
+    (tmp_path / "shared").mkdir()  # a shared tier's folder must exist (a mount point)
     specs = [
         {"kind": "memory", "capacity": f"{MEM}B"},
         # One I/O thread: reads and writes run in key order, as in the model.

@@ -43,6 +43,7 @@ def pair(tmp_path):
     from kvtier.integrations.vllm.scheduler import KVTierScheduler
     from kvtier.integrations.vllm.settings import Settings, Topology
 
+    (tmp_path / "shared").mkdir()  # a shared tier's folder must exist (a mount point)
     specs = [
         {"kind": "memory", "capacity": f"{MEM}B"},
         {"kind": "disk", "capacity": f"{DISK}B", "path": str(tmp_path / "disk"), "io_threads": 1},

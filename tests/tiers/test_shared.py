@@ -564,6 +564,7 @@ def _verify_directory(root: Path, keys, only=None) -> int:
 
 def test_three_processes_share_one_directory_without_torn_reads(tmp_path):
     root = tmp_path / "shared"
+    root.mkdir()  # the mount point: a shared tier's folder must exist
     procs = [_worker("mix", str(root), "2.5", str(seed)) for seed in range(3)]
     results = []
     for p in procs:

@@ -109,6 +109,7 @@ def run(workdir: Path, requests: int = 60, sessions: int = 5, seed: int = 0, fau
         if _mount_tmpfs(dirs[name], size):
             mounted.append(name)
     try:
+        (dirs["shared"] / "store").mkdir()  # a shared tier's folder must exist, as a mount point does
         tiers = [
             {"kind": "memory", "capacity": "4MiB"},
             {"kind": "disk", "path": str(dirs["disk"] / "store"), "capacity": "24MiB"},

@@ -116,6 +116,8 @@ def resume_phases(resumes) -> list[dict]:
 def tier_spec(kind: str, path: Path) -> Any:
     if kind == "memory":
         return "memory://?capacity=256MiB"
+    if kind == "shared":
+        path.mkdir(parents=True, exist_ok=True)  # a shared tier's folder must exist (a mount point)
     return {"kind": kind, "path": str(path), "capacity": "256MiB"}
 
 

@@ -151,6 +151,7 @@ def test_two_servers_resume_each_others_sessions_and_kvtier_serve_stops_cleanly(
     cpu_a, cpu_b = str(cpus[0]), str(cpus[-1])
     model = build_checkpoint("tiny-llama", tmp_path / "model")
     shared = tmp_path / "shared"
+    shared.mkdir()  # a shared tier's folder must exist (a mount point)
     cfg_a, cfg_b = tmp_path / "a.yaml", tmp_path / "b.yaml"
     # A's memory tier is the node's (shm): a folder of this test's own.
     node_memory = Path(tempfile.mkdtemp(prefix="kvs-node-", dir="/dev/shm"))

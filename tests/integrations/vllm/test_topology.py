@@ -90,6 +90,7 @@ def _tiers(c: Ctx, run: str, with_disk: bool = True, shared: str | None = None) 
     if with_disk:
         tiers.append({"kind": "disk", "path": str(c.dir(f"{run}-disk")), "capacity": "64MiB"})
     if shared:
+        c.dir(shared).mkdir(parents=True, exist_ok=True)  # a shared tier's folder must exist (a mount point)
         tiers.append({"kind": "shared", "path": str(c.dir(shared)), "capacity": "64MiB"})
     return tiers
 

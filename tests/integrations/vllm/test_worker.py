@@ -96,6 +96,7 @@ def test_each_rank_saves_and_loads_only_its_own_shard(tmp_path):
     under two names. Each rank loads back its own shard; with rank 1's shard
     gone, rank 1 reports the chunk's block as failed (vLLM recomputes it for
     every rank) and does not take rank 0's shard instead."""
+    (tmp_path / "shared").mkdir()  # a shared tier's folder must exist (a mount point)
     cfg = parse_store_config({"chunk_tokens": BS, "tiers": [
         {"kind": "shared", "path": str(tmp_path / "shared"), "capacity": "1MiB", "io_threads": 2}]})
     ranks = [_worker(cfg, Topology(2, r)) for r in (0, 1)]
@@ -135,6 +136,7 @@ def test_a_shard_is_assembled_from_shards_another_tp_size_wrote(tmp_path):
     TP=1 worker concatenates the two shards' heads; written at TP=1, read at
     TP=2: rank 1 cuts its two heads out. Each assembled shard is stored under
     the reader's own key, so the next load reads it directly."""
+    (tmp_path / "shared").mkdir()  # a shared tier's folder must exist (a mount point)
     cfg = parse_store_config({"chunk_tokens": BS, "tiers": [
         {"kind": "shared", "path": str(tmp_path / "shared"), "capacity": "4MiB", "io_threads": 2}]})
     key = keys_for(9, 1)[0]
