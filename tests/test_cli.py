@@ -85,7 +85,7 @@ def test_store_gc_runs_a_routine_pass_without_asking(tmp_path):
     for i, p in enumerate(paths):
         os.utime(p, (1000 + i, 1000 + i))
     capacity = int(10.4 * objs[0].nbytes)  # 96 % used: over 0.95, collected down to 0.85, 2 of 10 objects
-    proc = kvtier("store", "gc", "--dir", str(tmp_path), "--capacity", str(capacity))
+    proc = kvtier("store", "gc", "--dir", str(tmp_path), "--capacity", f"{capacity}B")
     assert "deleted 2" in proc.stdout
     assert [p.exists() for p in paths] == [False] * 2 + [True] * 8
 
