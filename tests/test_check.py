@@ -92,7 +92,7 @@ def test_local_tiers_ok_and_nothing_created(tmp_path, shm_dir, capsys):
     status, rows, _ = check("--config", str(cfg), capsys=capsys)
     for name in ("config", "config file", "tiers[memory] folder", "tiers[memory] tmpfs", "tiers[memory] space",
                  "tiers[disk] folder", "tiers[disk] space", "tiers[shared] folder", "tiers[shared] mount",
-                 "tiers[shared] space", "vllm", "chunk size"):
+                 "tiers[shared] format", "tiers[shared] space", "vllm", "chunk size"):
         assert status_of(rows, name) == "OK", rows[name]
     assert "does not exist yet" in rows["tiers[memory] folder"][0]["detail"]
     assert "tmpfs" in rows["tiers[shared] mount"][0]["detail"]
@@ -327,3 +327,26 @@ def test_shared_folder_on_a_read_only_mount_fails(tmp_path, capsys):
     assert status == 1 and status_of(rows, "tiers[shared] folder") == "FAIL"
     assert "read-only mount" in rows["tiers[shared] folder"][0]["detail"]
     assert status_of(rows, "tiers[shared] mount") == "OK" and str(ro) in rows["tiers[shared] mount"][0]["detail"]
+
+
+def test_shared_objects_of_another_format_warn(shm_dir, tmp_path, capsys):
+    from kvtier.codec import encode
+    from kvtier.keys import Namespace, chunk_keys
+    from kvtier.tiers.shared import SharedConfig, SharedTier
+
+    ns = Namespace("m", "fp", "float16", "test", 2, 2, 8, chunk_tokens=16)
+    key = chunk_keys(ns, list(range(16)))[0]
+    with SharedTier(SharedConfig(path=str(shm_dir), capacity=1 << 20, gc_interval_s=0)) as t:
+        assert t.store([encode(key, "float16", (2, 2, 2, 16, 8), bytes(2048))]) == 1
+        obj = t.dir.path(key)
+    cfg = write_config(tmp_path / "kvtier.yaml", {"tiers": [{"kind": "shared", "path": str(shm_dir), "capacity": "1MiB"}]})
+    status, rows, _ = check("--config", str(cfg), capsys=capsys)
+    assert status_of(rows, "tiers[shared] format") == "OK" and "as this kvtier writes" in rows["tiers[shared] format"][0]["detail"]
+    with open(obj, "r+b") as f:  # what a release of another format would have written there
+        f.seek(8)
+        f.write((999).to_bytes(2, "little"))
+    status, rows, _ = check("--config", str(cfg), capsys=capsys)
+    assert status_of(rows, "tiers[shared] format") == "WARN" and "format 999" in rows["tiers[shared] format"][0]["detail"]
+    (shm_dir / "kvtier-v9").mkdir()
+    status, rows, _ = check("--config", str(cfg), capsys=capsys)
+    assert status_of(rows, "tiers[shared] format") == "WARN" and "kvtier-v9" in rows["tiers[shared] format"][0]["detail"]

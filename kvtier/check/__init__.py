@@ -3,7 +3,7 @@
     report    rows (OK, WARN, FAIL, with the fix), the table, JSON, exit status
     inputs    the configuration as the engine reads it: ``--config``,
               ``--kv-transfer-config`` and ``KVTIER_*``
-    folders   the directory tiers' folders: owner, mode, mount, free space
+    folders   the directory tiers' folders: owner, mode, mount, format, free space
     services  Redis and S3 reached with the configured credentials
     node      the cluster key file, the vLLM release, chunk size and block size
     cli       ``kvtier check`` (the parser and its handler)

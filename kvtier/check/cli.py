@@ -31,7 +31,8 @@ checks:
   tier folders      memory (the node memory folder the connector keeps it in, on
                     tmpfs), shm, disk: this user's and writable by nobody else, or
                     creatable; shared: exists, writable, kvtier-v1 this user's, on
-                    a mount of its own; free space against capacity
+                    a mount of its own, its objects of this release's format;
+                    free space against capacity
   redis, s3         reached with the configured credentials and TLS: PING, or a
                     listing of the tier's prefix (nothing is written)
   auth key          the cluster key file loads (mode, format) and its key ids,

@@ -11,7 +11,9 @@ A ``shared`` folder belongs to the cluster: it must exist and be writable by
 this user, its ``kvtier-v1`` store (once there) must be this user's, since
 every node runs kvtier as one uid, and it should lie on a mount of its own:
 a folder on the root file system is usually a mount point whose file system
-is not mounted.
+is not mounted. The objects already there should be of the format this
+kvtier writes (one object's header is read): nodes of two releases that
+write different formats share nothing.
 
 Free space is compared with ``capacity``: what kvtier already holds there
 counts toward its capacity, so a WARN on a folder in service may be only
@@ -118,7 +120,69 @@ def shared_folder(report: Report, label: str, path: str, capacity: int) -> None:
         report.ok(f"{label} mount", f"on {where}: local to this node, only its engines share it")
     else:
         report.ok(f"{label} mount", f"on {where}")
+    _store_format(report, label, p)
     _space(report, label, p, p, capacity, False)
+
+
+def _store_format(report: Report, label: str, p: Path) -> None:
+    """The format of the objects already in a shared folder: nodes that
+    write another format (another kvtier release) share nothing with this one."""
+    from kvtier.codec import MAGIC
+    from kvtier.version import FORMAT_VERSION
+
+    name = f"{label} format"
+    others = sorted(e for e in os.listdir(p) if e.startswith("kvtier-v") and e != LAYOUT_DIR)
+    obj = _first_object(p / LAYOUT_DIR / "objects")
+    version = None
+    if obj is not None:
+        try:
+            fd = os.open(obj, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                head = os.pread(fd, 10, 0)
+            finally:
+                os.close(fd)
+        except OSError:
+            head = b""  # gone meanwhile (collected) or unreadable: the folder row says which
+        if len(head) == 10 and head[:8] == MAGIC:
+            version = int.from_bytes(head[8:10], "little")
+    mixed = "roll one kvtier release out to every node that shares this folder"
+    if others:
+        report.warn(name, f"{p} holds stores of other kvtier releases ({', '.join(others)}) besides {LAYOUT_DIR}: "
+                    "nodes running them share nothing with this one", mixed)
+    elif version is not None and version != FORMAT_VERSION:
+        report.warn(name, f"{obj.name} is object format {version}; this kvtier writes and reads format "
+                    f"{FORMAT_VERSION}: nodes of the two releases share nothing", mixed)
+    elif version is not None:
+        report.ok(name, f"objects are format {version}, as this kvtier writes")
+    else:
+        report.ok(name, f"no object to compare yet; this kvtier writes format {FORMAT_VERSION}")
+
+
+def _first_object(objects: Path) -> Path | None:
+    """One object file below ``objects/<namespace>/<xx>/``, if any (a few
+    folders looked into at each level, however many there are)."""
+    from kvtier.tiers.files import SUFFIX
+
+    for ns in _entries(objects, dirs=True):
+        for xx in _entries(ns, dirs=True):
+            for f in _entries(xx, dirs=False):
+                if f.name.endswith(SUFFIX):
+                    return f
+    return None
+
+
+def _entries(d: Path, dirs: bool, limit: int = 4) -> list[Path]:
+    out: list[Path] = []
+    try:
+        with os.scandir(d) as it:
+            for e in it:
+                if (e.is_dir(follow_symlinks=False) if dirs else e.is_file(follow_symlinks=False)):
+                    out.append(Path(e.path))
+                    if len(out) >= limit:
+                        break
+    except OSError:
+        pass
+    return out
 
 
 def _space(report: Report, label: str, p: Path, above: Path, capacity: int, memory: bool) -> None:
