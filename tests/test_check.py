@@ -165,7 +165,9 @@ def test_redis_reachable_with_its_password_never_shown(tmp_path, monkeypatch, ca
             {"kind": "redis", "name": "env", "address": srv.address, "capacity": "1GiB"},
             {"kind": "redis", "name": "wrong", "address": srv.address, "capacity": "1GiB", "password": "wrong-pw-91"},
             {"kind": "redis", "name": "dead", "address": f"127.0.0.1:{free_port()}", "capacity": "1GiB",
-             "password": "dead-pw-55"}]})
+             "password": "dead-pw-55"},
+            {"kind": "redis", "name": "deadcluster", "address": f"127.0.0.1:{free_port()}", "cluster": True,
+             "capacity": "1GiB"}]})
         monkeypatch.setenv("KVTIER_REDIS_PASSWORD_ENV", password)
         status, rows, table = check("--config", str(cfg), capsys=capsys)
         json_out = main(["check", "--json", "--config", str(cfg)]), capsys.readouterr().out
@@ -173,7 +175,8 @@ def test_redis_reachable_with_its_password_never_shown(tmp_path, monkeypatch, ca
         srv.stop()
     assert status_of(rows, "tiers[env] reach") == "OK" and "PING" in rows["tiers[env] reach"][0]["detail"]
     assert status_of(rows, "tiers[wrong] reach") == "FAIL" and "refused" in rows["tiers[wrong] reach"][0]["detail"]
-    assert status_of(rows, "tiers[dead] reach") == "FAIL" and "cannot reach" in rows["tiers[dead] reach"][0]["detail"]
+    for dead in ("dead", "deadcluster"):
+        assert status_of(rows, f"tiers[{dead}] reach") == "FAIL" and "cannot reach" in rows[f"tiers[{dead}] reach"][0]["detail"]
     assert status == 1
     for secret in (password, "wrong-pw-91", "dead-pw-55"):
         assert secret not in table and secret not in json_out[1]

@@ -17,7 +17,7 @@ from kvtier.check.report import Report
 
 
 def redis_tier(report: Report, label: str, config) -> None:
-    from redis.exceptions import AuthenticationError, RedisError, ResponseError
+    from redis.exceptions import AuthenticationError, RedisClusterException, RedisError, ResponseError
 
     from kvtier.tiers.redis import RedisTier
 
@@ -36,7 +36,7 @@ def redis_tier(report: Report, label: str, config) -> None:
         report.fail(name, f"{where}: the server refused{unset}: {exc}", "check username and password (the config file, "
                     "or KVTIER_REDIS_PASSWORD / KVTIER_REDIS_PASSWORD_<TIER NAME> in the engine's environment) "
                     "and the user's ACL")
-    except (RedisError, OSError) as exc:
+    except (RedisError, RedisClusterException, OSError) as exc:  # RedisClusterException: no node maps the slots
         report.fail(name, f"cannot reach {where}: {exc}", "check the address, that the server runs and that this "
                     "node may reach it (firewall, bind, protected-mode); for TLS: tls: true and tls_ca_file")
     finally:
