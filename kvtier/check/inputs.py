@@ -131,8 +131,8 @@ def _connector_fields(report: Report, ktc: dict, connector: str, module: str) ->
     if role not in ("kv_producer", "kv_consumer", "kv_both"):
         report.fail(name, f"kv_role is {_shown(ktc, 'kv_role')}: vLLM refuses it with a connector", 'set "kv_role": "kv_both"')
     elif role != "kv_both":
-        report.warn(name, f"kv_role is {role!r}: kvtier saves and loads on every engine either way",
-                    'set "kv_role": "kv_both"')
+        report.warn(name, f"kv_role is {role!r}: vLLM schedules the connector as a {role[3:]} only, while kvtier "
+                    "both saves and loads", 'set "kv_role": "kv_both"')
     policy = ktc.get("kv_load_failure_policy", "fail")
     if policy != "recompute":
         report.fail(name, f"kv_load_failure_policy is {policy!r}: the connector refuses to start, since a miss "
