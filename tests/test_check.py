@@ -223,10 +223,13 @@ def test_key_file_ids_shown_key_never(tmp_path, shm_dir, capsys):
     assert status == 1 and status_of(rows, "auth key") == "FAIL" and "chmod 600" in rows["auth key"][0]["fix"]
 
 
-def test_key_id_flag_is_checked(capsys):
+def test_flags_are_checked(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["check", "--expect-key-id", "not-an-id"])
     assert exc.value.code == 2 and "16 hex digits" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["check", "--config", "a.yaml", "--kv-transfer-config", "{}"])
+    assert exc.value.code == 2 and "not allowed with" in capsys.readouterr().err
 
 
 def test_no_key_is_fine_without_shared_tiers(tmp_path, capsys):
@@ -270,6 +273,8 @@ def test_kv_transfer_config_read_as_the_connector_reads_it(tmp_path, shm_dir, ca
     unknown = {**ktc, "kv_connector_extra_config": {"config": str(cfg), "vllm": {"load_decisoin": "auto"}}}
     status, rows, _ = check("--kv-transfer-config", json.dumps(unknown), capsys=capsys)
     assert status == 2 and "vllm.load_decisoin" in rows["config"][0]["detail"]
+    status, rows, _ = check("--kv-transfer-config", json.dumps({**ktc, "kv_role": "kv_consumer"}), capsys=capsys)
+    assert status == 0 and status_of(rows, "kv_transfer_config") == "WARN"
     status, rows, _ = check("--kv-transfer-config", "{not json", capsys=capsys)
     assert status == 2 and "--kv-transfer-config" in rows["config"][0]["detail"]
 
