@@ -6,6 +6,7 @@
     kvtier auth keygen|id|add|promote|remove FILE   the cluster key file (kvtier/authcli.py)
     kvtier serve MODEL ...                 vLLM's server with kvtier (kvtier/serve.py)
     kvtier plan ...                        capacity planning (kvtier/plan/cli.py)
+    kvtier check [--config FILE | --kv-transfer-config JSON]   a node before a rollout (kvtier/check/cli.py)
 
 Adding a command: a module with ``register(subparsers)``, which adds its
 parser(s) to argparse's ``subparsers`` and sets ``func`` (the handler: args
@@ -30,13 +31,14 @@ import sys
 
 from kvtier import authcli, serve
 from kvtier.bench import cli as bench_cli
+from kvtier.check import cli as check_cli
 from kvtier.errors import ConfigError
 from kvtier.plan import cli as plan_cli
 from kvtier.tiers import cli as store_cli
 from kvtier.version import __version__
 
 # In the order of ``kvtier --help``.
-COMMANDS = (bench_cli, store_cli, authcli, serve, plan_cli)
+COMMANDS = (bench_cli, store_cli, authcli, serve, plan_cli, check_cli)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -421,19 +421,28 @@ def known_env_names() -> list[str]:
     return names + [v for kind in SECRET_ENV.values() for v in kind.values()]
 
 
-def warn_unknown_env(environ: Mapping[str, str]) -> list[str]:
-    """Warn once per ``KVTIER_*`` variable kvtier does not read (a typo is
-    otherwise silently ignored), naming the closest one it does. Returns the
-    warnings. ``KVTIER_TEST_*`` belongs to kvtier's own test suite."""
+def unknown_env(environ: Mapping[str, str]) -> list[tuple[str, str]]:
+    """(variable, message) for each ``KVTIER_*`` variable kvtier does not
+    read (a typo is otherwise silently ignored), naming the closest one it
+    does. ``KVTIER_TEST_*`` belongs to kvtier's own test suite."""
     known = known_env_names()
     secret_prefixes = tuple(v + "_" for kind in SECRET_ENV.values() for v in kind.values())
     out = []
     for var in sorted(environ):
         if (not var.startswith("KVTIER_") or var in known or var.startswith(secret_prefixes)
-                or var.startswith("KVTIER_TEST_") or var in _warned):
+                or var.startswith("KVTIER_TEST_")):
             continue
         close = difflib.get_close_matches(var, known, n=1, cutoff=0.6)
-        msg = f"{var} is not a kvtier setting and is ignored" + (f"; did you mean {close[0]}?" if close else "")
+        out.append((var, f"{var} is not a kvtier setting and is ignored" + (f"; did you mean {close[0]}?" if close else "")))
+    return out
+
+
+def warn_unknown_env(environ: Mapping[str, str]) -> list[str]:
+    """Warn once per variable ``unknown_env`` names. Returns the warnings."""
+    out = []
+    for var, msg in unknown_env(environ):
+        if var in _warned:
+            continue
         _warned.add(var)
         log.warning("%s", msg)
         out.append(msg)
