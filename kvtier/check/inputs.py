@@ -24,7 +24,7 @@ import stat
 from typing import Any, Mapping
 
 from kvtier.check.report import Report, fmt_bytes
-from kvtier.config import SECRET_ENV, StoreConfig, env_values, load_config, load_file, unknown_env
+from kvtier.config import SECRET_ENV, SECRET_KEYS, StoreConfig, env_values, load_config, load_file, unknown_env
 from kvtier.errors import ConfigError
 
 # Environment variables outside kvtier's own that hold credentials the
@@ -197,11 +197,9 @@ def _env_secrets(report: Report, environ: Mapping[str, str]) -> None:
 def _file_secrets(report: Report, values: Any) -> None:
     """Credentials written in a config mapping (``password:`` ...), even
     where the rest of it does not parse."""
-    from kvtier.serve import _SECRET_KEYS
-
     if isinstance(values, dict):
         for k, v in values.items():
-            if k in _SECRET_KEYS:
+            if k in SECRET_KEYS:
                 report.secret(v if isinstance(v, str) else None)
             _file_secrets(report, v)
     elif isinstance(values, list):
@@ -211,7 +209,7 @@ def _file_secrets(report: Report, values: Any) -> None:
         # A tier URL's options: ...?password=...
         for part in values.split("?", 1)[1].split("&"):
             k, _, v = part.partition("=")
-            if k in _SECRET_KEYS:
+            if k in SECRET_KEYS:
                 report.secret(v)
 
 
