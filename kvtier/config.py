@@ -70,6 +70,15 @@ def parse_size(value: Any, key: str) -> int:
 _NUMBER = re.compile(r"^\s*[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?\s*$|^\s*[-+]?(inf|infinity|nan)\s*$", re.IGNORECASE)
 
 
+def fmt_bytes(n: float) -> str:
+    """A byte count for people: ``3.5 GiB``, ``512 B`` (binary units)."""
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            v = n / size
+            return f"{v:.0f} {unit}" if v >= 100 else f"{v:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
 def parse_bool(value: Any, key: str) -> bool:
     if isinstance(value, bool):
         return value

@@ -28,8 +28,10 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtier.check.report import Report, fmt_bytes
+from kvtier.check.report import Report
+from kvtier.config import fmt_bytes
 from kvtier.tiers.files import LAYOUT_DIR
+
 _MEMORY_FS = ("tmpfs", "ramfs")
 # File systems that only this node sees: a shared tier there shares only
 # among this node's engines.

@@ -23,8 +23,9 @@ import os
 import stat
 from typing import Any, Mapping
 
-from kvtier.check.report import Report, fmt_bytes
-from kvtier.config import SECRET_ENV, SECRET_KEYS, StoreConfig, env_values, load_config, load_file, unknown_env
+from kvtier.check.report import Report
+from kvtier.config import (SECRET_ENV, SECRET_KEYS, StoreConfig, env_values, fmt_bytes, load_config, load_file,
+                           unknown_env)
 from kvtier.errors import ConfigError
 
 # Environment variables outside kvtier's own that hold credentials the

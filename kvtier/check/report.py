@@ -93,11 +93,3 @@ class Report:
         return {"rows": [asdict(r) for r in self.shown()],
                 "counts": {s: self.count(s) for s in (OK, WARN, FAIL)},
                 "exit_status": self.exit_status(strict)}
-
-
-def fmt_bytes(n: float) -> str:
-    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            v = n / size
-            return f"{v:.0f} {unit}" if v >= 100 else f"{v:.3g} {unit}"
-    return f"{n:.0f} B"

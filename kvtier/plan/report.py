@@ -23,19 +23,12 @@ import math
 import sys
 from pathlib import Path
 
+from kvtier.config import fmt_bytes
 from kvtier.plan.sim import Simulator
 from kvtier.plan.stack import lru_curve, shared_curve
 
 GiB = 1 << 30
 KNEE, RECOMMEND = 0.90, 0.95
-
-
-def fmt_bytes(n: float) -> str:
-    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            v = n / size
-            return f"{v:.0f} {unit}" if v >= 100 else f"{v:.3g} {unit}"
-    return f"{n:.0f} B"
 
 
 def fmt_rate(gbps: float) -> str:

@@ -433,24 +433,19 @@ class RedisTier(PooledTier):
 
     # ------------------------------------------------------------ delete, stats
     def delete(self, keys: Sequence[ChunkKey]) -> int:
-        if not keys or not self.breaker.allow():
-            return 0
-        try:
-            n = self.executor.submit(DELETE, self._delete_now, keys).result()
-        except _TROUBLE as exc:
-            log.warning("tier %s: delete failed (%s)", self.name, exc)
-            self._guard(False, "delete")
-            return 0
-        self._guard(True, "delete")
-        return n
+        return self._delete_job(self._delete_now, keys)
 
     def delete_names(self, names: Sequence[bytes]) -> int:
         """``delete`` by object name, for tools that walk the index and hold
         names, not keys (``redis_verify``): unindexed and deleted alike."""
-        if not names or not self.breaker.allow():
+        return self._delete_job(self._delete_names, list(names))
+
+    def _delete_job(self, job, what: Sequence) -> int:
+        """``job(what)`` on the tier's pool, behind its breaker: how many went."""
+        if not what or not self.breaker.allow():
             return 0
         try:
-            n = self.executor.submit(DELETE, self._delete_names, list(names)).result()
+            n = self.executor.submit(DELETE, job, what).result()
         except _TROUBLE as exc:
             log.warning("tier %s: delete failed (%s)", self.name, exc)
             self._guard(False, "delete")
