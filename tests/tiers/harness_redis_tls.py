@@ -23,7 +23,7 @@ class RedisTlsHarness(Harness):
 
     def _open(self, capacity):
         p = self.pki
-        spec = parse_tier(f"rediss://{self.server.address}?capacity={capacity}&name={self.name}&io_threads=4"
+        spec = parse_tier(f"rediss://{self.server.address}?capacity={capacity}B&name={self.name}&io_threads=4"
                           f"&tls_ca_file={p.ca}&tls_cert_file={p.client_cert}&tls_key_file={p.client_key}", "tiers[0]")
         return RedisTier(spec.config, self.metrics)
 
