@@ -84,16 +84,10 @@ def _names_and_bytes(harness, tier) -> tuple[list[bytes], list[bytes]]:
         files = sorted(p for p in harness.path.rglob("*"))
         return ([str(p.relative_to(harness.path)).encode() for p in files],
                 [p.read_bytes() for p in files if p.is_file()])
-    if kind == "redis":
-        import redis
-
-        raw = redis.Redis(host="127.0.0.1", port=harness.server.port)
-        try:
-            names = sorted(raw.keys("*"))
-            values = [raw.dump(n) or b"" for n in names]
-        finally:
-            raw.close()
-        return names, values
+    if kind in ("redis", "redis-tls"):
+        raw, _ = harness.open().index()  # a tier's own client: it speaks TLS where the tier does
+        names = sorted(raw.keys("*"))
+        return names, [raw.dump(n) or b"" for n in names]
     if kind == "s3":
         return [name.encode() for name, _, _ in tier._list()], []
     if kind == "sqlite":  # the third-party example tier: one database file, rows named by digest
