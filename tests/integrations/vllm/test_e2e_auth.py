@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import shutil
 import struct
+import threading
 import zlib
 from pathlib import Path
 
@@ -43,10 +44,14 @@ WRITE_RESUMES = [("A", None, 384), ("B", None, 640), ("C", None, 896)]
 FORGED_RESUMES = [("A", None, None), ("C", None, None), ("B", None, 640), ("A", "again", 384)]
 
 
+_KEY_LOCK = threading.Lock()  # runs start on the engine pool's threads, two at a time
+
+
 def _key_env(c: Ctx, multiprocess: bool = True) -> dict[str, str]:
     path = c.dir("cluster.key")
-    if not path.exists():
-        auth.write_key_file(str(path), [auth.new_key()])
+    with _KEY_LOCK:
+        if not path.exists():
+            auth.write_key_file(str(path), [auth.new_key()])
     return {**(MULTIPROCESS if multiprocess else ONE_PROCESS), "KVTIER_AUTH_KEY_FILE": str(path)}
 
 
