@@ -23,13 +23,14 @@ from kvtier.errors import ConfigError
 def register(subparsers) -> None:
     """``kvtier store ls|stat|verify|gc``."""
     store = subparsers.add_parser(
-        "store", help="inspect and maintain a shared (or disk) tier directory; verify a Redis tier",
+        "store", help="inspect and maintain a shared (or disk) tier directory; verify a Redis or S3 tier",
         description="ls, stat and verify only look: they open the directory read-only, create nothing and "
         "sweep nothing (a read-only mount works; a missing store is an error). Only gc (without --dry-run) "
         "and verify --quarantine write. The tier's kind is told from its folder: a disk tier has one owner, "
         "so verify and gc refuse its folder while an engine holds it (exit status 2); a shared directory "
         "takes them from any node at any time; a node memory tier (shm) is only looked at. verify --tier URL "
-        "checks a Redis tier's objects instead (--quarantine deletes its bad ones: Redis has no quarantine folder).")
+        "checks a Redis or S3 tier's objects instead (--quarantine deletes its bad ones: neither has a quarantine "
+        "folder).")
     ssub = store.add_subparsers(dest="store", required=True)
 
     def common(sp):
@@ -45,18 +46,22 @@ def register(subparsers) -> None:
     st.set_defaults(func=cmd_store_stat)
     vf = ssub.add_parser(
         "verify", help="read every object and check its header and checksum",
-        description="Read every object of a directory tier (--dir) or of a Redis tier (--tier) and check what it "
-        "promises: its header, its name, its length and checksum, and with a cluster key file its seal. A Redis "
+        description="Read every object of a directory tier (--dir) or of a Redis or S3 tier (--tier) and check what "
+        "it promises: its header, its name, its length and checksum, and with a cluster key file its seal. A Redis "
         "tier is opened as the engines open it (rediss:// for TLS, cluster=true, key_prefix=...; the password "
         "from KVTIER_REDIS_PASSWORD, never the URL) and walked through its index without touching any object's "
-        "access order or TTL. Exit status 1 when an object is bad, 2 for a bad flag or an unreachable server.")
+        "access order or TTL. An S3 tier (s3://BUCKET/PREFIX?endpoint=...; keys from KVTIER_S3_ACCESS_KEY_ID and "
+        "KVTIER_S3_SECRET_ACCESS_KEY or boto3's chain, never the URL) is listed a page at a time and read with "
+        "plain GETs, which leave LastModified as it is. Exit status 1 when an object is bad, 2 for a bad flag, "
+        "an unreachable server or a missing bucket.")
     where = vf.add_mutually_exclusive_group(required=True)
     where.add_argument("--dir", help="the tier's directory (as in its config: path)")
     where.add_argument("--tier", metavar="URL",
-                       help="a Redis tier: redis://HOST:PORT[?options] as in its config (capacity may be left out)")
+                       help="a Redis tier, redis://HOST:PORT[?options], or an S3 tier, s3://BUCKET/PREFIX?endpoint=URL"
+                            "[&options], as in its config (capacity may be left out)")
     vf.add_argument("--quarantine", action="store_true",
-                    help="move bad objects to the store's quarantine folder, as the tiers do; a Redis tier has no "
-                         "such folder: its bad objects are deleted, as its reads delete them (default: only report)")
+                    help="move bad objects to the store's quarantine folder, as the tiers do; a Redis or S3 tier has "
+                         "no such folder: its bad objects are deleted, as its reads delete them (default: only report)")
     vf.add_argument("--no-quarantine", action="store_false", dest="quarantine", help=argparse.SUPPRESS)
     vf.add_argument("--no-progress", action="store_true", help="no progress bar")
     vf.add_argument("--auth-key-file", metavar="FILE", default=None,
@@ -169,9 +174,12 @@ def cmd_store_verify(args: argparse.Namespace) -> int:
     keyring = load_keyring(key_file, "--auth-key-file") if key_file else None
     bars = progress.bars(not args.no_progress)
     if args.tier is not None:
-        from kvtier.tiers.redis_verify import verify_redis
+        if args.tier.partition("://")[0] == "s3":
+            from kvtier.tiers.s3_verify import verify_s3 as verify_url
+        else:
+            from kvtier.tiers.redis_verify import verify_redis as verify_url
 
-        report = verify_redis(args.tier, delete=args.quarantine, progress=bars, keyring=keyring)
+        report = verify_url(args.tier, delete=args.quarantine, progress=bars, keyring=keyring)
         done, hint = "deleted", "left in place; --quarantine deletes them"
     else:
         with AdminStore(args.dir) as store:

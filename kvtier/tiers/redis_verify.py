@@ -58,7 +58,8 @@ def tier_spec(url: str, environ: Mapping[str, str]) -> TierSpec:
     values: dict[str, Any] = parse_tier_url(url, "--tier")
     if values["kind"] != "redis":
         raise ConfigError("--tier", f"{values['kind']}:// is not a tier `kvtier store verify --tier` walks",
-                          "write redis://HOST:PORT[?options] (rediss:// for TLS), or --dir DIR for a directory tier")
+                          "write redis://HOST:PORT[?options] (rediss:// for TLS), s3://BUCKET/PREFIX?endpoint=URL for an S3 "
+                          "tier, or --dir DIR for a directory tier")
     # Verification admits nothing, so the budget is never used; the URL may leave it out.
     values.setdefault("capacity", "1PiB")
     return with_env_secrets(parse_tier(values, "--tier"), environ)

@@ -568,14 +568,19 @@ class S3Tier(PooledTier):
 
     # ------------------------------------------------------------ delete
     def delete(self, keys: Sequence[ChunkKey]) -> int:
-        if not keys:
-            return 0
-        return self.executor.submit(DELETE, self._delete_now, keys).result()
+        return self.delete_names([self.object_name(k) for k in keys])
 
-    def _delete_now(self, keys: Sequence[ChunkKey]) -> int:
+    def delete_names(self, names: Sequence[str]) -> int:
+        """Delete objects by name, as ``delete`` does (``kvtier store verify``
+        deletes bad objects whose header may name no key at all)."""
+        if not names:
+            return 0
+        return self.executor.submit(DELETE, self._delete_now, list(names)).result()
+
+    def _delete_now(self, names: Sequence[str]) -> int:
         n = freed = 0
-        for k in keys:
-            size = self._delete_name(self.object_name(k))
+        for name in names:
+            size = self._delete_name(name)
             if size:
                 n += 1
                 freed += size

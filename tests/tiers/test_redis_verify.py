@@ -143,8 +143,8 @@ def test_an_unreachable_or_refusing_server_is_exit_status_2(server, capsys, monk
     assert rc == 2 and "KVTIER_REDIS_PASSWORD" in out and "not-" + SECRET not in out
     rc, out = _verify(capsys, "--tier", f"redis://{server.address}?password={SECRET}")
     assert rc == 2 and "credential" in out
-    rc, out = _verify(capsys, "--tier", "s3://bucket/prefix")
-    assert rc == 2 and "redis://" in out
+    rc, out = _verify(capsys, "--tier", "shared:///mnt/kv")
+    assert rc == 2 and "redis://" in out and "s3://" in out and "--dir" in out
 
 
 def test_verify_walks_a_cluster_over_its_slots(tmp_path, key_file, capsys):
