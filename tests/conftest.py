@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvtier import auth
 from kvtier.metrics import Metrics
 from tests.support import WriteGate
 
@@ -18,3 +19,11 @@ def write_gate(monkeypatch):
     gate = WriteGate(monkeypatch)
     yield gate
     gate.open()  # never leave a writer stuck
+
+
+@pytest.fixture
+def key_file(tmp_path) -> str:
+    """A cluster key file with one new key (kvtier/auth.py)."""
+    path = str(tmp_path / "cluster.key")
+    auth.write_key_file(path, [auth.new_key()])
+    return path

@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import hashlib
 import os
+import struct
 import threading
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import pytest
 
-from kvtier.codec import ChunkObject, encode
+from kvtier.codec import CHECKSUM_AT, CRC_AT, HEADER_BLOCK, ChunkObject, encode, payload_checksum
 from kvtier.keys import ChunkKey, Namespace, chunk_keys
 from kvtier.tiers.disk import DiskConfig
 from kvtier.tiers.files import ObjectDir
@@ -186,3 +188,33 @@ def spin_cpu(seconds: float) -> None:
     end = time.thread_time() + seconds
     while time.thread_time() < end:
         pass
+
+
+# ---------------------------------------------------------------- what an attacker writes
+def rechecksum(data: bytearray) -> bytes:
+    """What an attacker does after changing an object's bytes: fix the
+    payload checksum and the header CRC, computed as docs/format.md says,
+    so that only the seal can tell."""
+    n = struct.unpack_from("<Q", data, 188)[0]
+    data[CHECKSUM_AT : CHECKSUM_AT + 16] = payload_checksum(bytes(data[HEADER_BLOCK : HEADER_BLOCK + n]))
+    struct.pack_into("<I", data, CRC_AT, zlib.crc32(bytes(data[:CRC_AT])))
+    return bytes(data)
+
+
+def forgery(key: ChunkKey) -> bytes:
+    """A well-formed, unsealed object for ``key`` whose payload is the
+    attacker's own (random), checksums right."""
+    return bytes(encode(key, DTYPE, shape_for(key.num_tokens), os.urandom(len(payload_for(key)))).buf)
+
+
+def plant_attacks(get, put, names: Sequence, keys: Sequence[ChunkKey]) -> list:
+    """On a tier holding ``keys``'s genuine objects under ``names`` (raw
+    ``get(name)``/``put(name, bytes)``): keys[1] tampered, keys[2] an
+    unsealed forgery, keys[3] a replay of keys[4]'s object. Returns the
+    three names."""
+    tampered = bytearray(get(names[1]))
+    tampered[HEADER_BLOCK + 10] ^= 0x01
+    put(names[1], rechecksum(tampered))
+    put(names[2], forgery(keys[2]))
+    put(names[3], get(names[4]))
+    return list(names[1:4])

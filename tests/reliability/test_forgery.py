@@ -13,20 +13,19 @@ from __future__ import annotations
 
 import os
 import struct
-import zlib
 from pathlib import Path
 
 import pytest
 import redis
 
 from kvtier import auth
-from kvtier.codec import CHECKSUM_AT, CRC_AT, HEADER_BLOCK, encode, parse_header, payload_checksum
+from kvtier.codec import HEADER_BLOCK, encode, parse_header
 from kvtier.config import StoreConfig, TierSpec
 from kvtier.engine.store import TieredStore
 from kvtier.metrics import Metrics
 from kvtier.tiers.redis import RedisConfig
 from kvtier.tiers.shm import ShmConfig
-from tests.support import DTYPE, disk_config, keys_for, payload_for, shape_for, shared_config
+from tests.support import DTYPE, disk_config, keys_for, payload_for, rechecksum, shape_for, shared_config
 from tests.tiers.redisserver import RedisServer
 
 
@@ -132,13 +131,6 @@ def medium(request, tmp_path):
     m.close()
 
 
-@pytest.fixture
-def key_file(tmp_path):
-    path = str(tmp_path / "cluster.key")
-    auth.write_key_file(path, [auth.new_key()])
-    return path
-
-
 def _store(medium: Medium, key_file: str | None, metrics: Metrics) -> TieredStore:
     return TieredStore(StoreConfig(tiers=(medium.spec(),), auth_key_file=key_file or ""), metrics)
 
@@ -159,15 +151,6 @@ def _load(store: TieredStore, keys) -> int:
 def _served(store: TieredStore, keys) -> list[bytes]:
     bufs = [bytearray(len(payload_for(k))) for k in keys]
     return [bytes(b) for b in bufs[: store.load(keys, bufs)]]
-
-
-def _rechecksum(data: bytearray) -> bytes:
-    """What an attacker does after changing an object: fix the payload
-    checksum and the header CRC, as docs/format.md says to compute them."""
-    n = struct.unpack_from("<Q", data, 188)[0]
-    data[CHECKSUM_AT : CHECKSUM_AT + 16] = payload_checksum(bytes(data[HEADER_BLOCK : HEADER_BLOCK + n]))
-    struct.pack_into("<I", data, CRC_AT, zlib.crc32(bytes(data[:CRC_AT])))
-    return bytes(data)
 
 
 def _failures(metrics: Metrics, tier: str, reason: str) -> float:
@@ -229,7 +212,7 @@ def test_a_seal_copied_from_a_genuine_object_does_not_cover_other_bytes(medium, 
         data = bytearray(medium.get(store, keys[1]))
         n = parse_header(bytes(data[:4096])).payload_len
         data[HEADER_BLOCK : HEADER_BLOCK + n] = os.urandom(n)
-        medium.put(store, keys[1], _rechecksum(data))
+        medium.put(store, keys[1], rechecksum(data))
         assert _load(store, keys) == 1
         assert _failures(metrics, medium.kind, auth.BAD_SEAL) >= 1
 
@@ -249,14 +232,14 @@ def test_a_changed_genuine_object_is_a_miss_and_counted(medium, key_file, attack
         target = genuine[1]
         if attack == "tampered":
             target[HEADER_BLOCK + 10] ^= 0x01
-            forged = _rechecksum(target)
+            forged = rechecksum(target)
         elif attack == "spliced":
-            forged = _rechecksum(target[:HEADER_BLOCK] + genuine[2][HEADER_BLOCK:])
+            forged = rechecksum(target[:HEADER_BLOCK] + genuine[2][HEADER_BLOCK:])
         elif attack == "replayed":
             forged = bytes(genuine[2])
         else:
             struct.pack_into("<I", target, 184, keys[1].num_tokens - 1)
-            forged = _rechecksum(target)
+            forged = rechecksum(target)
         medium.put(store, keys[1], forged)
         if store.memory is not None and store.memory is not store.tier(medium.kind):
             store.memory.clear()
@@ -300,7 +283,7 @@ def test_verify_with_the_key_reports_and_quarantines_what_engines_refuse(tmp_pat
         _save(store, keys)
         genuine = bytearray(medium.get(store, keys[1]))
         genuine[HEADER_BLOCK] ^= 0x01
-        medium.put(store, keys[1], _rechecksum(genuine))  # tampered
+        medium.put(store, keys[1], rechecksum(genuine))  # tampered
         evil = os.urandom(len(payload_for(keys[2])))
         medium.put(store, keys[2], bytes(encode(keys[2], DTYPE, shape_for(keys[2].num_tokens), evil).buf))  # unsealed
         paths = [store.tier(kind).dir.path(k) for k in keys]

@@ -6,33 +6,24 @@ accounting stays right), and that a password never shows."""
 from __future__ import annotations
 
 import os
-import struct
 import subprocess
 import time
-import zlib
 
 import pytest
 import redis
 
 from kvtier import auth
 from kvtier.cli import main
-from kvtier.codec import CHECKSUM_AT, CRC_AT, HEADER_BLOCK, encode, payload_checksum
+from kvtier.codec import encode
 from kvtier.config import StoreConfig, TierSpec
 from kvtier.engine.store import TieredStore
 from kvtier.metrics import Metrics
 from kvtier.tiers.redis import RedisConfig, RedisTier
-from tests.support import DTYPE, keys_for, payload_for, shape_for
+from tests.support import DTYPE, keys_for, payload_for, plant_attacks, shape_for
 from tests.tiers.redisserver import RedisServer, free_port
 from tests.tiers.tlscerts import make_pki
 
 SECRET = "s3cret-pa55word-of-the-test"
-
-
-@pytest.fixture
-def key_file(tmp_path):
-    path = str(tmp_path / "cluster.key")
-    auth.write_key_file(path, [auth.new_key()])
-    return path
 
 
 @pytest.fixture
@@ -53,26 +44,27 @@ def _save(cfg: RedisConfig, key_file: str, keys) -> None:
         assert store.flush(10)
 
 
-def _rechecksum(data: bytearray) -> bytes:
-    """An attacker's fix after changing an object: the payload checksum and
-    the header CRC, computed as docs/format.md says."""
-    n = struct.unpack_from("<Q", data, 188)[0]
-    data[CHECKSUM_AT : CHECKSUM_AT + 16] = payload_checksum(bytes(data[HEADER_BLOCK : HEADER_BLOCK + n]))
-    struct.pack_into("<I", data, CRC_AT, zlib.crc32(bytes(data[:CRC_AT])))
-    return bytes(data)
-
-
 def _plant(raw: redis.Redis, tier: RedisTier, keys) -> list[str]:
-    """keys[1] tampered, keys[2] an unsealed forgery, keys[3] a replay of
-    keys[4]'s genuine object; returns the names of the three."""
     names = [tier.object_name(k) for k in keys]
-    tampered = bytearray(raw.get(names[1]))
-    tampered[HEADER_BLOCK + 10] ^= 0x01
-    raw.set(names[1], _rechecksum(tampered))
-    evil = os.urandom(len(payload_for(keys[2])))
-    raw.set(names[2], bytes(encode(keys[2], DTYPE, shape_for(keys[2].num_tokens), evil).buf))
-    raw.set(names[3], raw.get(names[4]))
-    return [n.decode() for n in names[1:4]]
+    return [n.decode() for n in plant_attacks(raw.get, raw.set, names, keys)]
+
+
+def assert_verify_reports_then_deletes(verify, url: str, key_file: str, planted: list[str]) -> None:
+    """``kvtier store verify --tier URL`` on a tier of five objects of which
+    ``plant_attacks`` changed three: what it reports without the key (the
+    replay only: the others' checksums are right) and with it (all three, by
+    reason), then --quarantine deletes the three. The same for every tier
+    kind that --tier takes."""
+    tampered, forged, replayed = planted
+    rc, out = verify("--tier", url)
+    assert rc == 1 and "seals not checked" in out
+    assert "verified 4 objects; 1 bad (left in place; --quarantine deletes them)" in out
+    assert f"{replayed}: header key or namespace does not match the object's name" in out
+    rc, out = verify("--tier", url, "--auth-key-file", key_file)
+    assert rc == 1 and "verified 2 objects; 3 bad" in out
+    assert f"{tampered}: not served: {auth.BAD_SEAL}" in out
+    assert f"{forged}: not served: {auth.UNSEALED}" in out
+    assert f"{replayed}: header key" in out
 
 
 def _verify(capsys, *args: str) -> tuple[int, str]:
@@ -89,19 +81,8 @@ def test_verify_reports_what_engines_refuse_and_quarantine_deletes_it(server, ke
     raw = redis.Redis(host="127.0.0.1", port=server.port, password=SECRET)
     tier = RedisTier(cfg)
     try:
-        tampered, forged, replayed = _plant(raw, tier, keys)
         url = f"redis://{server.address}"
-        # Without the key only what the objects promise is checked: the
-        # forgeries' checksums are right, the replay names another chunk.
-        rc, out = _verify(capsys, "--tier", url)
-        assert rc == 1 and "seals not checked" in out
-        assert "verified 4 objects; 1 bad (left in place; --quarantine deletes them)" in out
-        assert f"{replayed}: header key or namespace does not match the object's name" in out
-        rc, out = _verify(capsys, "--tier", url, "--auth-key-file", key_file)
-        assert rc == 1 and "verified 2 objects; 3 bad" in out
-        assert f"{tampered}: not served: {auth.BAD_SEAL}" in out
-        assert f"{forged}: not served: {auth.UNSEALED}" in out
-        assert f"{replayed}: header key" in out
+        assert_verify_reports_then_deletes(lambda *a: _verify(capsys, *a), url, key_file, _plant(raw, tier, keys))
         before = tier.stats()
         assert before.objects == 5
         rc, out = _verify(capsys, "--tier", url, "--auth-key-file", key_file, "--quarantine")

@@ -19,20 +19,20 @@ from __future__ import annotations
 
 import os
 import shutil
-import struct
 import threading
-import zlib
 from pathlib import Path
 
 import pytest
 
 from kvtier import auth
-from kvtier.codec import CHECKSUM_AT, CRC_AT, HEADER_BLOCK, encode, parse_header, payload_checksum
+from kvtier.codec import HEADER_BLOCK, encode, parse_header
 from kvtier.keys import ChunkKey
 from kvtier.tiers.files import ObjectDir
 from tests.integrations.vllm.runs import Ctx, RunDef, runs_marker, start_runs
+from tests.support import rechecksum
 from tests.integrations.vllm.test_e2e import P, assert_same_output, phase_name
-from tests.integrations.vllm.test_topology import ENGINE, MODEL, MULTIPROCESS, ONE_PROCESS, _namespace, _phase, _shard_path
+from tests.integrations.vllm.test_topology import (ENGINE, MODEL, MULTIPROCESS, ONE_PROCESS, _baseline, _namespace, _phase,
+                                                   _shard_path)
 
 pytestmark = pytest.mark.slow
 
@@ -59,14 +59,6 @@ def _shared(c: Ctx, name: str) -> dict:
     return {"tiers": [{"kind": "shared", "path": str(c.dir(name)), "capacity": "64MiB"}]}
 
 
-def _baseline(tp: int) -> RunDef:
-    return RunDef(lambda c: {
-        "model": str(c.models[MODEL]), "kvtier": None,
-        "engine": {**ENGINE, "enable_prefix_caching": False, "tensor_parallel_size": tp},
-        "phases": [_phase("all", [(n, None) for n in PROMPTS], reset=False)],
-    }, cpus=tp, env=ONE_PROCESS)
-
-
 def _writer(tp: int) -> RunDef:
     def spec(c: Ctx) -> dict:
         c.dir(f"keyed-tp{tp}-shared").mkdir(parents=True, exist_ok=True)
@@ -75,14 +67,6 @@ def _writer(tp: int) -> RunDef:
                 "phases": [_phase("warm", [(p, None) for p in PROMPTS], reset=False)]
                 + [_phase(phase_name(p, s), [(p, s)]) for p, s, _ in WRITE_RESUMES]}
     return RunDef(spec, cpus=tp, env=_key_env)
-
-
-def _rechecksum(data: bytearray) -> bytes:
-    """An attacker's fix-up after changing bytes: payload checksum and header CRC as docs/format.md says."""
-    n = struct.unpack_from("<Q", data, 188)[0]
-    data[CHECKSUM_AT : CHECKSUM_AT + 16] = payload_checksum(bytes(data[HEADER_BLOCK : HEADER_BLOCK + n]))
-    struct.pack_into("<I", data, CRC_AT, zlib.crc32(bytes(data[:CRC_AT])))
-    return bytes(data)
 
 
 def _forge(tp: int):
@@ -101,7 +85,7 @@ def _forge(tp: int):
         tampered = _shard_path(odir, ns, P["C"], 1, rank=0, tp=tp)
         data = bytearray(tampered.read_bytes())
         data[HEADER_BLOCK + 1000] ^= 0xFF
-        tampered.write_bytes(_rechecksum(data))
+        tampered.write_bytes(rechecksum(data))
         c.notes[f"forged-tp{tp}"] = {"paths": [forged, tampered], "size": len(data)}
     return before
 
@@ -117,10 +101,10 @@ def _reader(tp: int) -> RunDef:
 RUNS: dict[str, RunDef] = {
     "keyed-tp2": _writer(2),
     "forged-tp2": _reader(2),
-    "base-tp2": _baseline(2),
+    "base-tp2": _baseline(2, PROMPTS),
     "keyed-tp1": _writer(1),
     "forged-tp1": _reader(1),
-    "base-tp1": _baseline(1),
+    "base-tp1": _baseline(1, PROMPTS),
 }
 
 

@@ -95,11 +95,12 @@ def _tiers(c: Ctx, run: str, with_disk: bool = True, shared: str | None = None) 
     return tiers
 
 
-def _baseline(tp: int) -> RunDef:
+def _baseline(tp: int, prompts=PROMPTS) -> RunDef:
+    """A cache-off run of ``prompts`` at TP size ``tp``, in one process."""
     return RunDef(lambda c: {
         "model": str(c.models[MODEL]), "kvtier": None,
         "engine": {**ENGINE, "enable_prefix_caching": False, "tensor_parallel_size": tp},
-        "phases": [_phase("all", [(n, None) for n in PROMPTS], reset=False)],
+        "phases": [_phase("all", [(n, None) for n in prompts], reset=False)],
     }, cpus=tp, env=ONE_PROCESS)
 
 
