@@ -358,3 +358,9 @@ def test_shared_objects_of_another_format_warn(shm_dir, tmp_path, capsys):
     (shm_dir / "kvtier-v9").mkdir()
     status, rows, _ = check("--config", str(cfg), capsys=capsys)
     assert status_of(rows, "tiers[shared] format") == "WARN" and "kvtier-v9" in rows["tiers[shared] format"][0]["detail"]
+    # A FIFO planted where an object would be is no object, and no wait.
+    obj.unlink()
+    shutil.rmtree(shm_dir / "kvtier-v9")
+    os.mkfifo(obj)
+    status, rows, _ = check("--config", str(cfg), capsys=capsys)
+    assert status_of(rows, "tiers[shared] format") == "OK" and "no object" in rows["tiers[shared] format"][0]["detail"]

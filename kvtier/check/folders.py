@@ -138,9 +138,10 @@ def _store_format(report: Report, label: str, p: Path) -> None:
     version = None
     if obj is not None:
         try:
-            fd = os.open(obj, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            # No link followed, and no wait on a FIFO someone planted there.
+            fd = os.open(obj, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
             try:
-                head = os.pread(fd, 10, 0)
+                head = os.pread(fd, 10, 0) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
             finally:
                 os.close(fd)
         except OSError:
