@@ -44,3 +44,15 @@ def pair(text: str) -> tuple[int, int]:
 def words(text: str) -> list[str]:
     """Comma-separated names, empty ones dropped."""
     return [t for t in text.split(",") if t]
+
+
+def ratio(text: str) -> float:
+    """A positive ratio: ``0.66`` or ``A:B`` (``6.78:10.3``)."""
+    try:
+        a, _, b = text.partition(":")
+        value = float(a) / float(b) if b else float(a)
+    except (ValueError, ZeroDivisionError):
+        raise argparse.ArgumentTypeError(f"expected a ratio such as 0.66 or 6.78:10.3, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive ratio, got {text!r}")
+    return value

@@ -199,7 +199,18 @@ def _resume_parser(bsub) -> None:
     br.add_argument("--answer-tokens", type=argtypes.ints, default=(16, 64), help="w2: answer length, min,max (default 16,64)")
     br.add_argument("--think", type=float, default=8.0, help="w2: mean think time between turns, seconds (default 8)")
     br.add_argument("--rate", type=float, default=0.5, help="w2: conversations started per second, Poisson (default 0.5)")
-    br.add_argument("--concurrency", type=int, default=4, help="w2: requests in flight at most (default 4)")
+    br.add_argument("--concurrency", type=argtypes.ints, default=None, metavar="N[,N...]",
+                    help="w2: requests in flight at most (default 4); w1: sweep these numbers of sessions "
+                    "returning at once, e.g. 1,8,16: max(N) sessions are prefilled, then each level's sessions "
+                    "resume together, cold, against fio at as many streams, a modelled local drive "
+                    "(kvtier-local-drive), recompute and vLLM's prefix cache alone; prints a table per level "
+                    "and writes report/sweep-*.png")
+    br.add_argument("--sweep-answer-tokens", type=int, default=16,
+                    help="w1 sweep: tokens each resumed session answers (default 16)")
+    br.add_argument("--local-ratio", type=argtypes.ratio, default=6.78 / 10.3, metavar="LOCAL:SHARED",
+                    help="w1 sweep: the modelled local drive's read rate over the shared device's, as a ratio "
+                    "or A:B (default 6.78:10.3, one local NVMe against the all-flash array of the reference "
+                    "measurements); the drive is this device held to that rate by the kernel's block throttle")
     br.add_argument("--endpoint", action="append", default=[], metavar="URL",
                     help="run against live OpenAI-compatible servers instead (repeat per server, e.g. "
                     "http://node1:8000); prompts are token ids drawn below --vocab; start them with `kvtier serve` "
@@ -225,7 +236,7 @@ def _resume_parser(bsub) -> None:
 
 
 def cmd_bench_resume(args: argparse.Namespace) -> int:
-    from kvtier.bench import resume, resume_report
+    from kvtier.bench import resume, resume_report, sweep
     from kvtier.bench.tinymodels import PRESETS
     from kvtier.bench.workloads import ChatShape
 
@@ -241,23 +252,36 @@ def cmd_bench_resume(args: argparse.Namespace) -> int:
                           "again must have been evicted by another one", "pass --resumes 1, or --sessions 2 or more")
     if args.instances < 1:
         raise ConfigError("--instances", f"must be at least 1, got {args.instances}", "pass --instances 3, say")
+    levels = args.concurrency or ()
+    if any(c < 1 for c in levels):
+        raise ConfigError("--concurrency", f"must be positive, got {','.join(map(str, levels))}", "pass e.g. 1,8,16")
+    if args.workload == "w2" and len(levels) > 1:
+        raise ConfigError("--concurrency", "w2 takes one number (requests in flight at most)", "pass e.g. 4")
+    if args.workload in ("w0", "w3") and levels:
+        raise ConfigError("--concurrency", f"{args.workload} has no concurrency sweep", "use --workload w1 or w2")
+    if args.workload == "w1" and levels and args.resumes > 1:
+        raise ConfigError("--resumes", "a concurrency sweep resumes each level's sessions once per round",
+                          "pass --rounds 2 for more samples")
     chat = ChatShape(sessions=args.sessions, turns=args.turns, system_tokens=args.system_tokens,
                      user_tokens=args.user_tokens, answer_tokens=args.answer_tokens, think_s=args.think,
-                     arrival_rate=args.rate, concurrency=args.concurrency)
+                     arrival_rate=args.rate, concurrency=levels[0] if args.workload == "w2" and levels else 4)
     cfg = resume.ResumeConfig(
         workdir=Path(args.dir), workload=args.workload, model=args.model, contexts=args.contexts,
         sessions=args.sessions, resumes=args.resumes, configs=tuple(args.configs), dummy_weights=not args.checkpoint, dtype=args.dtype,
         chat=chat,
         instances=args.instances, repeats=args.repeats, rounds=args.rounds, warmup=args.warmup, fio=not args.no_fio, vocab=args.vocab, seed=args.seed,
         throttle_bps=args.throttle, load_decision=args.load_decision,
+        concurrency=tuple(sorted(set(levels))) if args.workload == "w1" else (),
+        answer_tokens=args.sweep_answer_tokens, local_ratio=args.local_ratio,
     )
     if args.endpoint:
         summary = resume.run_endpoints(cfg, args.endpoint, args.routing, args.label,
                                        progress=progress.bars(not args.no_progress))
     else:
         summary = resume.run(cfg, progress=progress.bars(not args.no_progress))
-    print(resume_report.format_table(summary))
-    paths = resume_report.write_report(summary, Path(args.dir) / "report")
+    report = sweep if summary.get("kind") == "sweep" else resume_report
+    print(report.format_table(summary))
+    paths = report.write_report(summary, Path(args.dir) / "report")
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
         paths.append(Path(args.json))

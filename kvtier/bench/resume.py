@@ -23,6 +23,10 @@ configurations at once (they would share the cores):
                        its files are dropped from the page cache like the shared tier's
     kvtier-local-disk  W3 only: each instance has a disk tier of its own (the
                        "one local NVMe per server" baseline)
+    kvtier-local-drive W1 swept over concurrency: a disk tier on a modelled local
+                       drive, the same device read through the kernel's block
+                       throttle at --local-ratio of the rate fio measured on
+                       it in the same run (blkio.py)
     kvtier-throttled   kvtier, shared tier on a FUSE mount (faultfs) whose reads
                        are held to --throttle bytes/s: storage slower than the
                        engine's prefill; compared with recompute (a hit must
@@ -41,6 +45,11 @@ the host's CPUs in turn), W0 zero-hit overhead (distinct prompts only, so the
 connector can only cost). Peers that cannot run on this host are reported with
 the reason, not dropped. TTFT is measured client-side, from sending a request
 to its first token.
+
+With ``--concurrency`` W1 becomes a sweep (``kvtier.bench.sweep``): bursts
+of 1, 8, 16 ... sessions returning at once, each against what the device
+gives that many streams (fio, same run) and the floor that rate and the
+engine's own compute allow.
 
 For W1 the run also measures the floor a resume from storage cannot beat: the
 engine's own TTFT on a memory-tier hit plus the bytes read per resume over the
@@ -69,6 +78,10 @@ from kvtier.bench.tinymodels import PRESETS, build_checkpoint, build_config_only
 CONFIGS = ("recompute", "prefix-cache", "kvtier-memory", "kvtier-disk", "kvtier-shared", "example")
 W3_CONFIGS = ("recompute", "kvtier-local-disk", "kvtier-shared")
 W0_CONFIGS = ("prefix-cache", "kvtier-shared")
+SWEEP_CONFIGS = ("recompute", "prefix-cache", "kvtier-shared", "kvtier-local-drive")
+# Configurations without a connector: nothing of a sweep's warm phase can
+# serve their bursts (the engine's cache is emptied before each), so they skip it.
+NO_CONNECTOR = ("recompute", "prefix-cache")
 # The shared tier's other read paths (FileTierConfig o_direct / aio).
 READ_PATHS = {
     "kvtier-shared-buffered": {"o_direct": False},
@@ -83,7 +96,7 @@ READ_PATHS = {
 # Store options of the configurations that differ from the default in more
 # than their tier (the read buffers' pages).
 STORE_OPTIONS = {"kvtier-shared-4k": {"huge_pages": False}}
-ALL_CONFIGS = CONFIGS + ("kvtier-local-disk", "kvtier-throttled") + tuple(READ_PATHS)
+ALL_CONFIGS = CONFIGS + ("kvtier-local-disk", "kvtier-local-drive", "kvtier-throttled") + tuple(READ_PATHS)
 WORKLOADS = ("w1", "w2", "w3", "w0")
 BLOCK = 128
 CHUNK = 256
@@ -133,11 +146,20 @@ class ResumeConfig:
     engine_timeout_s: float = 3600
     throttle_bps: float = 1e6              # kvtier-throttled: the mount's read rate, bytes per second
     load_decision: str = "auto"            # the connector's load_decision (docs/vllm.md)
+    concurrency: tuple[int, ...] = ()      # W1: sessions returning at once, one burst per level (a sweep)
+    answer_tokens: int = 16                # sweep: tokens each resumed session answers
+    local_ratio: float = 6.78 / 10.3       # sweep: kvtier-local-drive's read rate over the device's
+
+    @property
+    def sweep(self) -> bool:
+        return self.workload == "w1" and bool(self.concurrency)
 
     def config_names(self) -> tuple[str, ...]:
         if self.configs:
             return self.configs
         default = {"w3": W3_CONFIGS, "w0": W0_CONFIGS}.get(self.workload, CONFIGS)
+        if self.sweep:
+            return SWEEP_CONFIGS
         # Where they run (CUDA), the peers join W1 and W2.
         return default + (tuple(CUDA_PEERS) if self.workload in ("w1", "w2") and has_cuda() else ())
 
@@ -145,6 +167,8 @@ class ResumeConfig:
 def cases(cfg: ResumeConfig) -> list[tuple[str, wl.Workload]]:
     """(label, workload) pairs the run measures, one row group each."""
     vocab = cfg.vocab or PRESETS[cfg.model][6]
+    if cfg.sweep:
+        return [(str(c), wl.w1_sweep(cfg.concurrency, c, vocab, cfg.seed, cfg.answer_tokens)) for c in cfg.contexts]
     if cfg.workload == "w1":
         return [(str(c), wl.w1(cfg.sessions, c, vocab, cfg.seed, cfg.resumes)) for c in cfg.contexts]
     if cfg.workload == "w3":
@@ -189,6 +213,7 @@ def _spec(cfg: ResumeConfig, name: str, label: str, workload: wl.Workload, model
         "kvtier-memory": [{"kind": "memory", "capacity": "8GiB"}],
         "kvtier-disk": [{"kind": "disk", "path": str(store), "capacity": "32GiB"}],
         "kvtier-local-disk": [{"kind": "disk", "path": str(store / f"instance-{instance}"), "capacity": "32GiB"}],
+        "kvtier-local-drive": [{"kind": "disk", "path": str(store), "capacity": "32GiB"}],
         "kvtier-shared": [{"kind": "shared", "path": str(store), "capacity": "32GiB"}],
         "kvtier-throttled": [{"kind": "shared", "path": str(store), "capacity": "32GiB"}],
         **{n: [{"kind": "shared", "path": str(store), "capacity": "32GiB", **opts}] for n, opts in READ_PATHS.items()},
@@ -200,7 +225,7 @@ def _spec(cfg: ResumeConfig, name: str, label: str, workload: wl.Workload, model
     if kvtier is not None and node_memory:
         kvtier["node_memory_dir"] = node_memory  # this run's node memory, shared by its instances
     cold: dict = {}
-    if name in ("kvtier-shared", "kvtier-local-disk", *READ_PATHS):
+    if name in ("kvtier-shared", "kvtier-local-disk", "kvtier-local-drive", *READ_PATHS):
         cold = {"drop_page_cache": True}
     if name == "vllm-offloading":
         # vLLM's own CPU offloading (CUDA hosts): host memory as the second tier.
@@ -235,7 +260,14 @@ def run(cfg: ResumeConfig, progress: Callable[[str, int], Callable[[int], None]]
     else:
         model_dir = build_checkpoint(cfg.model, cfg.workdir / "models" / f"{cfg.model}-ckpt", max_len=max_len)
     missing = unavailable_peers()
-    names = tuple(n for n in cfg.config_names() if n not in missing)
+    device: dict = {}
+    if cfg.sweep:
+        from kvtier.bench import sweep
+
+        device = sweep.measure_device(cfg, log)
+        if device.get("local_drive_skipped") and any(base_config(n) == "kvtier-local-drive" for n in cfg.config_names()):
+            missing["kvtier-local-drive"] = device["local_drive_skipped"]
+    names = tuple(n for n in cfg.config_names() if n not in missing and base_config(n) not in missing)
     rounds = cfg.repeats if cfg.workload == "w0" else max(1, cfg.rounds)
     warm = cfg.warmup and bool(names)
     tick = (progress or (lambda d, t: (lambda n: None)))("engine runs", len(todo) * (len(names) * rounds + warm))
@@ -248,25 +280,28 @@ def run(cfg: ResumeConfig, progress: Callable[[str, int], Callable[[int], None]]
             # 10-60 % slower, whatever it ran: that run is thrown away.
             first = round_order(names, 0, cfg.workload)[0]
             try:
-                _run_config(cfg, first, label, workload, model_dir, -1)
+                _run_config(cfg, first, label, workload, model_dir, -1, device)
             except RuntimeError as exc:
                 log(f"warm-up run ({first}, {label}) failed; measuring anyway: {str(exc).splitlines()[0]}")
             tick(1)
         for rnd in range(rounds):
             for name in round_order(names, rnd, cfg.workload):
                 try:
-                    runs.append(_run_config(cfg, name, label, workload, model_dir, rnd))
+                    runs.append(_run_config(cfg, name, label, workload, model_dir, rnd, device))
                 except RuntimeError as exc:
                     # One configuration failing (a peer's bug, a crash) must
                     # not cost the others' figures: report it and go on.
                     log(f"{name} ({label}) failed; going on without it: {str(exc).splitlines()[0]}")
                     failed.append({"config": name, "case": label, "round": rnd, "error": str(exc)[-1500:]})
                 tick(1)
-        if cfg.workload == "w1" and cfg.fio and "kvtier-shared" in names:
+        if cfg.workload == "w1" and not cfg.sweep and cfg.fio and "kvtier-shared" in names:
             fio[label] = _fio(cfg.workdir / "stores" / f"{cfg.workload}-kvtier-shared-{label}", log)
     if not runs:
         raise RuntimeError("every configuration failed:\n" + "\n".join(f["error"] for f in failed))
-    summary = summarise(cfg, runs, fio, missing)
+    if cfg.sweep:
+        summary = sweep.summarise(cfg, runs, device, missing, todo[0][1].description)
+    else:
+        summary = summarise(cfg, runs, fio, missing)
     summary["failed"] = failed
     _write_requests(cfg.workdir / "report" / "requests.jsonl", cfg, runs)
     return summary
@@ -332,8 +367,26 @@ def _throttled_mount(cfg: ResumeConfig, name: str, store: Path):
     shutil.rmtree(source, ignore_errors=True)
 
 
-def _run_config(cfg: ResumeConfig, name: str, label: str, workload: wl.Workload, model_dir: Path, rnd: int) -> dict:
+@contextlib.contextmanager
+def _local_drive(cfg: ResumeConfig, name: str, store: Path, device: dict):
+    """For kvtier-local-drive: the block throttle its engine runs under
+    (blkio.py), at the rate ``measure_device`` set; else None."""
+    if base_config(name) != "kvtier-local-drive":
+        yield None
+        return
+    from kvtier.bench.blkio import ReadThrottle
+
+    with ReadThrottle(store, device["local_drive_bps"]) as throttle:
+        yield throttle
+
+
+def _run_config(cfg: ResumeConfig, name: str, label: str, workload: wl.Workload, model_dir: Path, rnd: int,
+                device: dict | None = None) -> dict:
     """Run ``workload`` under configuration ``name`` in its engine process(es)."""
+    if cfg.sweep and base_config(name) in NO_CONNECTOR:
+        workload = wl.Workload(workload.name, workload.description,
+                               tuple(p for p in workload.phases if p.name != "warm"), workload.instances,
+                               workload.params)
     logs = cfg.workdir / "logs"
     logs.mkdir(exist_ok=True)
     store = cfg.workdir / "stores" / f"{cfg.workload}-{name}-{label}"
@@ -345,7 +398,8 @@ def _run_config(cfg: ResumeConfig, name: str, label: str, workload: wl.Workload,
     # The node's memory tier lives in tmpfs beyond this run unless removed:
     # each run gets a fresh one (its instances share it, as on one node).
     node_memory = tempfile.mkdtemp(prefix="kvtier-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    with tempfile.TemporaryDirectory() as tmp, _throttled_mount(cfg, name, store):
+    with (tempfile.TemporaryDirectory() as tmp, _throttled_mount(cfg, name, store),
+          _local_drive(cfg, name, store, device or {}) as throttle):
         barrier = Path(tmp) / "barrier" if k > 1 else None
         if barrier:
             barrier.mkdir()
@@ -362,8 +416,11 @@ def _run_config(cfg: ResumeConfig, name: str, label: str, workload: wl.Workload,
                 env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpus[i % len(cpus)])
             engine_log = logs / f"{cfg.workload}-{name}-{label}-{f'r{rnd}' if rnd >= 0 else 'warmup'}-i{i}.log"
             f = open(engine_log, "w")
+            # Under a throttle, the engine (and every process it starts)
+            # joins its control group before it reads a byte.
+            join = (lambda t=throttle: t.join(os.getpid())) if throttle else None
             p = subprocess.Popen([sys.executable, "-m", "kvtier.bench.vllm_runner", str(spec_path), str(out_path)],
-                                 stdout=f, stderr=subprocess.STDOUT, env=env)
+                                 stdout=f, stderr=subprocess.STDOUT, env=env, preexec_fn=join)
             procs.append((p, f, engine_log, out_path))
         try:
             if barrier:
@@ -386,13 +443,20 @@ def _run_config(cfg: ResumeConfig, name: str, label: str, workload: wl.Workload,
     records = [rec for o in outs for rec in o["records"]]
     measured = {p.name for p in workload.phases if p.measured}
     spans: dict[str, list[float]] = {}
+    phase_metrics: dict[str, dict] = {}
     for o in outs:
         for ph in o["phases"]:
             spans.setdefault(ph["name"], []).extend([ph["t_start"], ph["t_end"]])
+            got = phase_metrics.setdefault(ph["name"], {"kvtier": [], "vllm": []})
+            got["kvtier"].append(ph.get("kvtier_metrics", {}))
+            got["vllm"].append(ph.get("metrics", {}))
     return {
         "config": name, "case": label, "round": rnd, "instances": k, "records": records,
         "measured": sorted(measured),
         "span_s": {ph: max(ts) - min(ts) for ph, ts in spans.items()},
+        # Counters as they stood after each phase, summed over instances.
+        "phase_metrics": {ph: {"kvtier": _sum_metrics(m["kvtier"]), "vllm": _sum_metrics(m["vllm"])}
+                          for ph, m in phase_metrics.items()},
         "kvtier_metrics": _sum_metrics(o.get("kvtier_metrics", {}) for o in outs),
         "vllm_metrics": _sum_metrics(o.get("metrics", {}) for o in outs),
     }

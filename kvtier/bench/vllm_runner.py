@@ -108,6 +108,18 @@ def _collect_kvtier_metrics() -> dict:
     return kv
 
 
+def _vllm_metrics(llm) -> dict:
+    """vLLM's prefix-cache counters, by name (and labels)."""
+    metrics = {}
+    for m in llm.get_metrics():
+        if "prefix_cache" in m.name or "prompt_tokens_cached" in m.name:
+            value = getattr(m, "value", None)
+            if value is not None:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(m.labels.items()) if k not in ("model_name", "engine"))
+                metrics[f"{m.name}{{{labels}}}" if labels else m.name] = value
+    return metrics
+
+
 def _wait_for(path: str, timeout_s: float) -> None:
     open(path + ".reached", "w").close()
     deadline = time.monotonic() + timeout_s
@@ -187,10 +199,17 @@ def _run_workload(llm, spec: dict) -> dict:
             _drop_tiers(llm, cold.get("drop_tiers", ()), cold.get("drop_page_cache", False))
             for d in cold.get("drop_page_cache_dirs", ()):
                 _drop_dir_cache(Path(d))
+            # The sessions it resumes are evicted from the engine too, even
+            # where its KV capacity holds every one of them (a burst of
+            # sessions that all ran a moment before).
+            llm.reset_prefix_cache()
         _barrier(spec.get("barrier"), phase.name, spec.get("instance", 0))
         t_start = time.time()
         recs = run_phase(phase, backend, block_tokens=spec.get("block_tokens", 256))
-        phases.append({"name": phase.name, "t_start": t_start, "t_end": time.time()})
+        # Counters as they stand after each phase: a phase's own figures are
+        # the difference from the phase before.
+        phases.append({"name": phase.name, "t_start": t_start, "t_end": time.time(),
+                       "metrics": _vllm_metrics(llm), "kvtier_metrics": _collect_kvtier_metrics()})
         for r in recs:
             r["instance"] = spec.get("instance", r["instance"])
         records += recs
@@ -254,14 +273,7 @@ def main(spec_path: str, out_path: str) -> int:
                     "num_cached_tokens": o.num_cached_tokens, "wall_s": wall,
                 })
         out["phases"].append({"name": phase.get("name", ""), "results": results})
-    metrics = {}
-    for m in llm.get_metrics():
-        if "prefix_cache" in m.name or "prompt_tokens_cached" in m.name:
-            value = getattr(m, "value", None)
-            if value is not None:
-                labels = ",".join(f"{k}={v}" for k, v in sorted(m.labels.items()) if k not in ("model_name", "engine"))
-                metrics[f"{m.name}{{{labels}}}" if labels else m.name] = value
-    out["metrics"] = metrics
+    out["metrics"] = _vllm_metrics(llm)
     kv = _collect_kvtier_metrics()
     out["kvtier_metrics"] = kv
     with open(out_path, "w") as f:

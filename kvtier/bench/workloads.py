@@ -16,6 +16,10 @@ reported apart (``queue_s``).
         bounded concurrency. The answers of the history are drawn from the
         workload, not taken from the model, so every configuration sees the
         same prompts (a trace replay).
+    W1 swept over concurrency (``w1_sweep``): N sessions prefilled, then
+        bursts of 1, 8, 16 ... of them returning at once, each burst cold,
+        and last one session resumed with its KV still in the engine (the
+        engine's own cost of a resume, which no storage can remove).
     W3  multi-instance: W1's phases with each request routed at random to one
         of K instances (the warm and the resume of a session usually land on
         different instances).
@@ -133,6 +137,30 @@ def w1(sessions: int, context: int, vocab: int, seed: int = 0, resumes: int = 1)
         desc += f", each resumed {resumes} times"
         params["resumes"] = resumes
     return Workload("W1", desc, (Phase("warm", warm, measured=False), *rounds), params=params)
+
+
+def w1_sweep(levels: tuple[int, ...], context: int, vocab: int, seed: int = 0, answer_tokens: int = 16) -> Workload:
+    """Many sessions returning at once: ``max(levels)`` sessions of
+    ``context`` tokens are prefilled ("warm", not measured), then for each
+    level c the first c of them are resumed together ("c<c>": all sent at
+    once, a cold phase), each answering ``answer_tokens`` tokens; last,
+    session 0 is resumed alone with its KV still in the engine ("engine":
+    what the engine itself spends on a resume, the suffix's compute)."""
+    if not levels or min(levels) < 1:
+        raise ValueError(f"concurrency levels must be positive integers, got {levels}")
+    rng = random.Random(seed * 1000 + context)
+    n = max(levels)
+    prompts = [_tokens(rng, context, vocab) for _ in range(n)]
+    warm = tuple(Request(f"s{i}-warm", i, 0, p, 1) for i, p in enumerate(prompts))
+    phases = [Phase("warm", warm, concurrency=1, measured=False)]
+    for k, c in enumerate(levels, 1):
+        reqs = tuple(Request(f"s{i}-c{c}", i, k, prompts[i], answer_tokens) for i in range(c))
+        phases.append(Phase(f"c{c}", reqs, concurrency=c, cold=True))
+    phases.append(Phase("engine", (Request("s0-engine", 0, len(levels) + 1, prompts[0], answer_tokens),)))
+    return Workload("W1", f"concurrency sweep: {n} sessions of {context} tokens, bursts of "
+                    f"{', '.join(map(str, levels))} returning at once, {answer_tokens} tokens answered",
+                    tuple(phases), params={"sessions": n, "context": context, "seed": seed,
+                                           "levels": list(levels), "answer_tokens": answer_tokens})
 
 
 def w3(sessions: int, context: int, vocab: int, instances: int, seed: int = 0, resumes: int = 1) -> Workload:

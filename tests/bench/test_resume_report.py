@@ -179,7 +179,7 @@ def test_warmup_runs_the_first_configuration_once_unmeasured_before_the_rounds(t
 
     calls = []
 
-    def engine_run(cfg, name, label, workload, model_dir, rnd):
+    def engine_run(cfg, name, label, workload, model_dir, rnd, device=None):
         calls.append((name, rnd))
         raise RuntimeError("no engine in this test")
 

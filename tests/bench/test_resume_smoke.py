@@ -118,3 +118,31 @@ def test_bench_resume_w2_and_w0(tmp_path):
     w0 = _run(tmp_path, "w0", "--workload", "w0", "--contexts", "512", "--sessions", "2", "--repeats", "1")
     assert "w0_overhead" in w0["summary"]["ratios"]["512"]
     assert all(r["cached_tokens"] == 0 for r in w0["requests"])
+
+
+def test_bench_resume_concurrency_sweep_smoke(tmp_path):
+    """W1 swept over concurrency: every configuration of the sweep runs each
+    burst, a modelled local drive included, and the hits kvtier reports per
+    burst are vLLM's own."""
+    run = _run(tmp_path, "sweep", "--contexts", "512", "--concurrency", "1,3", "--sweep-answer-tokens", "4")
+    s = run["summary"]
+    assert s["kind"] == "sweep" and s["levels"] == [1, 3]
+    assert s["device"]["gbps_by_streams"].keys() == {"1", "3"}
+    by = s["results"]["512"]
+    assert set(by) == {"recompute", "prefix-cache", "kvtier-shared", "kvtier-local-drive"}
+    for name, v in by.items():
+        for c in (1, 3):
+            lv = v["levels"][str(c)]
+            assert lv["requests"] == c and lv["output_tokens_per_s"] > 0, (name, c)
+            if name.startswith("kvtier"):
+                # Whole blocks of 512, one token left to compute, per session.
+                assert lv["hit_tokens"] == lv["vllm_external_prefix_cache_hits"] == c * 384, (name, c, lv)
+                assert lv["read_gbps"] > 0 and "floor" in lv, (name, c)
+            else:
+                assert lv["hit_tokens"] == 0 and lv["cached_tokens"] == 0, (name, c)
+    assert by["kvtier-shared"]["engine_s"] > 0
+    assert "MODELLED" in run["stdout"] and "acceptance bars:" in run["stdout"]
+    assert (tmp_path / "sweep" / "report" / "sweep-512.png").stat().st_size > 0
+    # Requests of every burst are in the request log, tagged by phase.
+    phases = {r["phase"] for r in run["requests"] if r["config"] == "kvtier-shared"}
+    assert {"c1", "c3", "engine"} <= phases

@@ -35,6 +35,11 @@ class ConnectorMetrics:
             "kvtier_vllm_load_seconds",
             "Time to read a request's chunks (loader thread, before the copy into the engine)",
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=registry)
+        self.load_busy_seconds = Counter(
+            "kvtier_vllm_load_busy_seconds",
+            "Seconds during which at least one asynchronous load was queued or reading (with kvtier_read_bytes: "
+            "the aggregate read rate of loads that overlap, as when many sessions return at once)",
+            registry=registry)
         self.scatter_seconds = Histogram(
             "kvtier_vllm_scatter_seconds",
             "Time spent copying loaded chunks into engine blocks per step (engine thread)",

@@ -66,6 +66,7 @@ class KVTierWorker:
         self._errors_to_report: set[int] = set()
         self._reads: dict[str, tuple[float, int]] = {}  # finished loads (seconds, tokens), not yet reported (engine thread)
         self._arrived = threading.Event()  # set when a chunk arrived or a load finished reading
+        self._busy_since: float | None = None  # while asynchronous loads are queued or reading (under _lock)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], backend: str = "unknown") -> None:
         missing = [n for n in self.layer_names if n not in kv_caches]
@@ -117,6 +118,8 @@ class KVTierWorker:
                 if job.req_id in self._inflight:
                     continue
                 flight = self._inflight[job.req_id] = _InFlight(job)
+                if self._busy_since is None:
+                    self._busy_since = flight.started
             fut = self._loader.submit(LOAD, self._load, job, flight)
             fut.add_done_callback(lambda f, flight=flight: self._read_ended(flight, f))
 
@@ -233,7 +236,11 @@ class KVTierWorker:
             log.warning("kvtier: load for %s failed: %s; recomputing", flight.job.req_id, exc)
         with self._lock:
             flight.read_done = True
-            flight.read_seconds = time.perf_counter() - flight.started
+            now = time.perf_counter()
+            flight.read_seconds = now - flight.started
+            if self._busy_since is not None and all(f.read_done for f in self._inflight.values()):
+                self.metrics.load_busy_seconds.inc(now - self._busy_since)
+                self._busy_since = None
         self._arrived.set()
 
     def _place_threads(self) -> None:
