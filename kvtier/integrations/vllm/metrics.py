@@ -62,8 +62,14 @@ class ConnectorMetrics:
         self.recompute_decisions = Counter(
             "kvtier_vllm_recompute_decisions",
             "Requests left to the engine, in part or whole, because loading from TIER is slower than the engine "
-            "recomputes (load_decision: auto): reason=cut (a hit claimed short), not_asked (the lookup left the "
-            "tier out)", ["tier", "reason"], registry=registry)
+            "recomputes (load_decision: auto): reason=cut (a hit claimed short), queued (claimed short because of "
+            "the loads queued on the tier), not_asked (the lookup left the tier out)", ["tier", "reason"],
+            registry=registry)
+        self.stopped_loads = Counter(
+            "kvtier_vllm_stopped_loads",
+            "Asynchronous loads stopped before they were done, the rest left to the engine (load_decision: auto): "
+            "reason=budget (read past their budget), projected (the chunks that arrived showed the rest would "
+            "read slower than the engine recomputes it)", ["tier", "reason"], registry=registry)
         self.recomputed_hit_tokens = Counter(
             "kvtier_vllm_recomputed_hit_tokens",
             "Tokens kvtier held but left to the engine to recompute, because loading them from TIER is slower",

@@ -13,9 +13,12 @@ Keys here are the TP group's chain; each worker names its own shard of a
 chunk from it. Lookups ask ``GroupView``, which sees every rank's tiers from
 this process: a chunk counts only when every rank's shard of it is stored.
 
-A hit is claimed only as far as loading it beats recomputing it
-(``LoadCosts``, costs.py): the engine's step times and the workers' read
-times (their ``KVTierWorkerMeta``) keep both rates current.
+A hit is claimed only as far as loading it, behind the loads already
+queued on its tier, beats recomputing it (``LoadCosts``, costs.py): the
+engine's step times and the workers' read times (their
+``KVTierWorkerMeta``) keep both rates current. Each asynchronous load
+carries a budget, so that a load from a tier slower than measured (or not
+measured yet) stops and leaves the rest to the engine.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ class _Req:
     claim: tuple[Future, int, int] | None = None  # (lookup, vLLM's hit, tokens claimed up to): decided once
     load_tier: str = ""  # an async load in flight: the slowest tier it reads from
     read: tuple[float, int] | None = None  # its (seconds, tokens loaded), over the ranks reported so far
+    stopped: str = ""  # a rank stopped its load early: why ("budget", "projected")
 
 
 def must_compute_prompt(request) -> bool:
@@ -243,14 +247,28 @@ class KVTierScheduler:
             starts.append(pos)
             pos += k.num_tokens
         first = next(i for i, k in enumerate(hit.keys) if starts[i] + k.num_tokens > lo)
-        n, stopped = self.costs.claimable(hit.tiers[first:])
+        tokens = [min(starts[i] + k.num_tokens, hit.tokens) - max(starts[i], lo)
+                  for i, k in enumerate(hit.keys) if i >= first]
+        ahead = self._queued_tokens()
+        n, stopped = self.costs.claimable(hit.tiers[first:], tokens, ahead)
         end = hit.tokens if first + n >= len(hit.keys) else max(lo, starts[first + n])
         if stopped is not None and end < hit.tokens:
-            self.metrics.recompute_decisions.labels(stopped, "cut").inc()
+            reason = "queued" if ahead.get(stopped) and self.costs.pays_off(stopped) else "cut"
+            self.metrics.recompute_decisions.labels(stopped, reason).inc()
             self.metrics.recomputed_hit_tokens.labels(stopped).inc(hit.tokens - end)
 
         st.claim = (st.lookup, lo, end)
         return end
+
+    def _queued_tokens(self) -> dict[str, int]:
+        """Per tier, the tokens of the asynchronous loads claimed there that
+        have not been reported done (pending or in flight): a new load from
+        the tier waits behind them."""
+        out: dict[str, int] = {}
+        for st in self._reqs.values():
+            if st.loading_blocks is not None and not st.sync_load:
+                out[st.load_tier] = out.get(st.load_tier, 0) + len(st.loading_blocks) * self.bs
+        return out
 
     def _all_in_memory(self, root: ChunkKey, tokens: list[int]) -> bool:
         if not self.view.host_memory:
@@ -375,8 +393,13 @@ class KVTierScheduler:
             chunks.append(ChunkIO(k, ids, skip=(max(start, lo) - start) // self.bs, source_tp=src))
             tiers.append(tier)
         st.loading_blocks = {b for c in chunks for b in c.block_ids[c.skip :]}
-        st.load_tier, st.read = self.view.slowest(tiers), None
-        self._pending_loads.append(LoadJob(request.request_id, chunks, tiers, sync=st.sync_load))
+        st.load_tier, st.read, st.stopped = self.view.slowest(tiers), None, ""
+        budget = prefill = None
+        if self.settings.decision.mode == "auto" and not st.sync_load:
+            budget = self.costs.budget(st.load_tier, len(st.loading_blocks) * self.bs)
+            prefill = self.costs.prefill.value
+        self._pending_loads.append(LoadJob(request.request_id, chunks, tiers, sync=st.sync_load, budget_s=budget,
+                                           prefill_s_per_token=prefill))
 
     # ------------------------------------------------------------ per step
     def build_connector_meta(self, scheduler_output) -> KVTierMetadata:
@@ -460,6 +483,10 @@ class KVTierScheduler:
                 st = self._reqs.get(rid)
                 if st is not None:
                     st.read = merge_reads(st.read, read)
+            for rid, why in timings.stopped.items():
+                st = self._reqs.get(rid)
+                if st is not None:
+                    st.stopped = st.stopped or why
         in_flight = False
         for rid, st in self._reqs.items():
             if st.loading_blocks is None:
@@ -476,13 +503,17 @@ class KVTierScheduler:
                 continue
             if not st.sync_load:
                 self._timed(st)
+            if st.stopped:
+                self.metrics.stopped_loads.labels(st.load_tier, st.stopped).inc()
             bad = st.bad_blocks
             if st.load_failed or bad:
                 st.failed = True  # never claim again: vLLM would ask once more and loop
-                # What could not be loaded (corrupt, evicted, truncated) is
-                # recomputed now: save it again, or the hole stays for the
-                # next request with this prefix.
-                st.saved_upto, st.tail_saved = 0, False
+                if not st.stopped:
+                    # What could not be loaded (corrupt, evicted, truncated)
+                    # is recomputed now: save it again, or the hole stays for
+                    # the next request with this prefix. (A stopped load's
+                    # chunks are stored, only slow to read.)
+                    st.saved_upto, st.tail_saved = 0, False
                 self.metrics.load_failed_blocks.inc(len(bad))
             st.loading_blocks, st.bad_blocks, st.load_failed = None, set(), False
         self._quiet.loading(in_flight)
