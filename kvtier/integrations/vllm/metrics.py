@@ -35,6 +35,11 @@ class ConnectorMetrics:
             "kvtier_vllm_load_seconds",
             "Time to read a request's chunks (loader thread, before the copy into the engine)",
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=registry)
+        self.load_wait_seconds = Histogram(
+            "kvtier_vllm_load_wait_seconds",
+            "Time a request waited for its asynchronous load: from the step that handed it to the workers to the "
+            "step that reported it done (scheduler)",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=registry)
         self.scatter_seconds = Histogram(
             "kvtier_vllm_scatter_seconds",
             "Time spent copying loaded chunks into engine blocks per step (engine thread)",

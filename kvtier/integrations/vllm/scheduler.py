@@ -31,6 +31,7 @@ from typing import Any
 
 from kvtier.engine.executor import LOAD, PriorityExecutor
 from kvtier.integrations.vllm.costs import LoadCosts
+from kvtier.integrations.vllm.eligibility import cacheable, must_compute_prompt
 from kvtier.integrations.vllm.enginewait import QuietWhileLoading
 from kvtier.integrations.vllm.group import GroupView
 from kvtier.integrations.vllm.metadata import ChunkIO, KVTierMetadata, KVTierWorkerMeta, LoadJob, SaveJob, merge_reads
@@ -74,30 +75,7 @@ class _Req:
     load_tier: str = ""  # an async load in flight: the slowest tier it reads from
     read: tuple[float, int] | None = None  # its (seconds, tokens loaded), over the ranks reported so far
     stopped: str = ""  # a rank stopped its load early: why ("budget", "projected")
-
-
-def must_compute_prompt(request) -> bool:
-    """A request whose every prompt token must be computed, so no cached
-    prefix may be claimed for it: prompt logprobs need each prompt position's
-    logits. vLLM 0.31+ marks it (``skip_reading_prefix_cache``, set from the
-    sampling or pooling parameters) and skips connectors for it itself;
-    vLLM 0.30 has neither, so kvtier asks the sampling parameters."""
-    skip = getattr(request, "skip_reading_prefix_cache", None)
-    if skip is not None:
-        return bool(skip)
-    params = getattr(request, "sampling_params", None)
-    return params is not None and getattr(params, "prompt_logprobs", None) is not None
-
-
-def _cacheable(request) -> bool:
-    """Token ids alone identify the KV only for plain text requests: images
-    (placeholder tokens), LoRA adapters and prompt embeddings change KV
-    without changing token ids, so such requests bypass kvtier entirely."""
-    return not (
-        getattr(request, "mm_features", None)
-        or getattr(request, "lora_request", None)
-        or getattr(request, "prompt_embeds", None) is not None
-    )
+    load_sent: float = 0.0  # perf_counter when its asynchronous load went to the workers
 
 
 def _done_hit(st: "_Req | None") -> "_Hit | None":
@@ -161,7 +139,7 @@ class KVTierScheduler:
             if root is None:
                 root = self._roots[salt] = root_key(self.settings.namespace.with_salt(salt).digest())
             st = self._reqs[request.request_id] = _Req(request, root)
-            st.failed = not _cacheable(request)
+            st.failed = not cacheable(request)
         st.request = request
         return st
 
@@ -236,7 +214,7 @@ class KVTierScheduler:
     def _claim(self, st: _Req, hit: "_Hit", lo: int) -> int:
         """Where the claimed part of ``hit`` ends (tokens): all of it, or up
         to the first chunk past vLLM's own hit ``lo`` whose tier loads slower
-        than the engine recomputes. Decided once per lookup answer and hit,
+        than the engine recomputes, behind the loads queued there. Decided once per lookup answer and hit,
         so that vLLM's repeated asks get one answer; a cut is counted."""
         if hit.tokens <= lo or self.settings.decision.mode == "always":
             return hit.tokens
@@ -256,14 +234,12 @@ class KVTierScheduler:
             reason = "queued" if ahead.get(stopped) and self.costs.pays_off(stopped) else "cut"
             self.metrics.recompute_decisions.labels(stopped, reason).inc()
             self.metrics.recomputed_hit_tokens.labels(stopped).inc(hit.tokens - end)
-
         st.claim = (st.lookup, lo, end)
         return end
 
     def _queued_tokens(self) -> dict[str, int]:
-        """Per tier, the tokens of the asynchronous loads claimed there that
-        have not been reported done (pending or in flight): a new load from
-        the tier waits behind them."""
+        """Per tier, tokens of the asynchronous loads claimed there and not
+        reported done: a new load from the tier waits behind them."""
         out: dict[str, int] = {}
         for st in self._reqs.values():
             if st.loading_blocks is not None and not st.sync_load:
@@ -394,12 +370,11 @@ class KVTierScheduler:
             tiers.append(tier)
         st.loading_blocks = {b for c in chunks for b in c.block_ids[c.skip :]}
         st.load_tier, st.read, st.stopped = self.view.slowest(tiers), None, ""
-        budget = prefill = None
-        if self.settings.decision.mode == "auto" and not st.sync_load:
-            budget = self.costs.budget(st.load_tier, len(st.loading_blocks) * self.bs)
-            prefill = self.costs.prefill.value
-        self._pending_loads.append(LoadJob(request.request_id, chunks, tiers, sync=st.sync_load, budget_s=budget,
-                                           prefill_s_per_token=prefill))
+        bounded = self.settings.decision.mode == "auto" and not st.sync_load  # "always" loads however slowly
+        self._pending_loads.append(LoadJob(
+            request.request_id, chunks, tiers, sync=st.sync_load,
+            budget_s=self.costs.budget(st.load_tier, len(st.loading_blocks) * self.bs) if bounded else None,
+            prefill_s_per_token=self.costs.prefill.value if bounded else None))
 
     # ------------------------------------------------------------ per step
     def build_connector_meta(self, scheduler_output) -> KVTierMetadata:
@@ -409,6 +384,9 @@ class KVTierScheduler:
         self._pending_loads = []
         if meta.loads:
             self._quiet.loading(True)
+        for job in meta.loads:
+            if not job.sync and job.req_id in self._reqs:
+                self._reqs[job.req_id].load_sent = time.perf_counter()
         scheduled = scheduler_output.num_scheduled_tokens
         for nr in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(nr.req_id)
@@ -433,7 +411,7 @@ class KVTierScheduler:
     def _plan_saves(self, st: _Req, computed: int, meta: KVTierMetadata) -> None:
         """Save every chunk whose KV is complete after this step: full chunks
         as they fill, and at the end of the prompt its whole-block tail."""
-        if not _cacheable(st.request):
+        if not cacheable(st.request):
             return
         req, C, bs = st.request, self.chunk, self.bs
         whole = min(computed, len(req.all_token_ids)) // bs * bs
@@ -484,9 +462,8 @@ class KVTierScheduler:
                 if st is not None:
                     st.read = merge_reads(st.read, read)
             for rid, why in timings.stopped.items():
-                st = self._reqs.get(rid)
-                if st is not None:
-                    st.stopped = st.stopped or why
+                if rid in self._reqs:
+                    self._reqs[rid].stopped = self._reqs[rid].stopped or why
         in_flight = False
         for rid, st in self._reqs.items():
             if st.loading_blocks is None:
@@ -503,6 +480,7 @@ class KVTierScheduler:
                 continue
             if not st.sync_load:
                 self._timed(st)
+                self.metrics.load_wait_seconds.observe(time.perf_counter() - st.load_sent)
             if st.stopped:
                 self.metrics.stopped_loads.labels(st.load_tier, st.stopped).inc()
             bad = st.bad_blocks

@@ -9,6 +9,7 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
+from prometheus_client import REGISTRY
 
 from kvtier.config import parse_store_config
 from kvtier.engine.store import TieredStore
@@ -299,12 +300,14 @@ def test_a_load_stopped_at_its_budget_rules_its_tier_out_and_is_not_saved_again(
         s.costs.prefill.value = 0.001
         stopped = s.metrics.stopped_loads.labels("disk", "budget")
         before = stopped._value.get()
+        waits = REGISTRY.get_sample_value("kvtier_vllm_load_wait_seconds_count") or 0.0
         assert _claim(s, "a") == 16
         s.build_connector_meta(output())
         s.update_connector_output(SimpleNamespace(
             finished_recving={"a"}, invalid_block_ids={10, 11, 12, 13}, failed_recving=set(),
             kv_connector_worker_meta=KVTierWorkerMeta({"a": (0.0016, 0)}, {"a": "budget"})))
         assert stopped._value.get() - before == 1
+        assert REGISTRY.get_sample_value("kvtier_vllm_load_wait_seconds_count") - waits == 1  # what "a" waited
         assert s.costs.ruled_out() == {"disk"}
         assert ask(s, request("a", TOK[:20])) == (0, False)
         cached = SimpleNamespace(req_ids=["a"], new_block_ids=[None], num_computed_tokens=[0], resumed_req_ids=set())
