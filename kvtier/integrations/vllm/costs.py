@@ -17,14 +17,35 @@ seconds per token, from what the engine itself does:
   asynchronous load (reported through vLLM's worker metadata, the slowest
   rank's), over the tokens it loaded, charged to the slowest tier it read
   from; seeded by the tier's ``expected_read_rate`` (bytes per second).
+  The read time is the load's *share* of the time the worker spent
+  reading: while n loads read at once each is charged 1/n of that time
+  (worker.py). The rate is thus the tier's time per token when it serves
+  one load alone, whatever the loader's concurrency was while measuring.
 
 ``claimable`` cuts a hit before its first chunk whose tier loads slower
 than prefill computes; chunks in host memory always pay off (a memcpy).
-A rate not known yet is trusted (the first load measures it). A tier ruled
-out is left out of lookups and re-measured ``probe_interval_s`` after its
-last measurement: the scheduler looks up and reads one chunk of it in the
-background (no request waits on it), so that a tier that recovered is used
-again.
+It also sees the queue: a new load starts behind the loads in flight or
+pending on its tier (the worker's loader reads two at a time, in
+submission order, and the tier's bandwidth is shared by them), so it ends
+after about (tokens ahead, not yet done, + its own) x the tier's rate.
+Because that rate is a one-load-alone rate, the sum counts the queue
+once: a rate measured as wall time per token under the loader's
+concurrency would count the sharing twice (in the rate, and again in the
+tokens ahead). A tier's chunks are claimed only if that finish beats
+recomputing them: the engine's own queue is not compared, as it is ahead
+of the request either way (a loaded request still computes its suffix
+there), so what differs is the tier's queue and read against the
+request's own prefill.
+
+A rate not known is trusted (the first load measures it); every load is
+bounded instead (``budget``): the worker stops reading at the budget,
+keeps the chunks that arrived and reports the rest failed, and vLLM
+recomputes it. A load stopped before anything arrived teaches the rate
+of one token in all that time, so the tier is ruled out at once. A tier
+ruled out is left out of lookups and re-measured ``probe_interval_s``
+after its last measurement: the scheduler looks up and reads one chunk of
+it in the background (no request waits on it), so that a tier that
+recovered is used again.
 
 Threads: the scheduler thread calls everything here.
 """
@@ -35,11 +56,22 @@ import collections
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 # Weight of the newest measurement in a rate's running mean: a handful of
 # loads moves it (a tier that slowed down is noticed within a few requests).
 _ALPHA = 0.3
+
+# A load's budget never exceeds this fraction of recomputing its tokens
+# beyond the load's expected time. A stopped load costs its request at most
+# the budget plus recomputing what did not arrive, so a load that delivers
+# nothing costs 1.1 x recompute; the rest of ~1.15 x is left for noticing
+# the stop (one engine step, or 5 ms while the engine idles) and for the
+# step that schedules the request again.
+CUT_FRACTION = 0.1
+# A healthy load may take this multiple of its expected time: it shares the
+# tier with the loader's other load (2 x), and reads jitter.
+HEALTHY_MULTIPLE = 4.0
 
 
 @dataclass
@@ -126,14 +158,57 @@ class LoadCosts:
         return (now - self.tiers[tier].when >= self.probe_interval_s
                 and (probe is None or now - probe >= self.probe_interval_s))
 
-    def claimable(self, tiers: list[str]) -> tuple[int, str | None]:
+    def claimable(self, tiers: list[str], tokens: list[int] | None = None,
+                  ahead: Mapping[str, int] | None = None) -> tuple[int, str | None]:
         """How many leading chunks of a hit (``tiers``: each chunk's slowest
-        tier) to claim, and the tier that stopped the claim short (None: all
-        of it)."""
+        tier; ``tokens``: each chunk's tokens to load) to claim, and the tier
+        that stopped the claim short (None: all of it). ``ahead``: per tier,
+        tokens of the loads in flight or pending there, not yet done."""
+        n, stopped = len(tiers), None
         for i, tier in enumerate(tiers):
             if not self.pays_off(tier):
-                return i, tier
-        return len(tiers), None
+                n, stopped = i, tier
+                break
+        if tokens is None or not ahead:
+            return n, stopped
+        # Per tier, the queue ahead is a fixed wait that more tokens of the
+        # request amortize: judge each tier on all its chunks of the claim,
+        # and cut before the first chunk of a tier that does not pay off
+        # (which shortens the claim on later tiers: judge those again).
+        while True:
+            own: dict[str, int] = {}
+            for tier, k in zip(tiers[:n], tokens[:n]):
+                own[tier] = own.get(tier, 0) + k
+            late = next((i for i, tier in enumerate(tiers[:n])
+                         if not self._queue_pays_off(tier, own[tier], ahead.get(tier, 0))), None)
+            if late is None:
+                return n, stopped
+            n, stopped = late, tiers[late]
+
+    def _queue_pays_off(self, tier: str, own: int, ahead: int) -> bool:
+        """Does loading ``own`` tokens from ``tier`` behind ``ahead`` tokens
+        end before recomputing the ``own`` tokens would?"""
+        if tier in self.memory_tiers or not ahead:
+            return True
+        load, prefill = self.tiers.get(tier), self.prefill.value
+        if load is None or load.value is None or prefill is None:
+            return True
+        return (ahead + own) * load.value <= own * prefill
+
+    def budget(self, tier: str, tokens: int) -> float | None:
+        """Seconds a load of ``tokens`` from ``tier`` (its slowest) may read,
+        from when its reads start: ``HEALTHY_MULTIPLE`` x its expected time
+        at the tier's known rate, but never more than ``CUT_FRACTION`` of
+        recomputing the tokens beyond the expected time, and never less than
+        that fraction (a rate not known yet expects nothing). None while
+        the prefill rate is unknown: nothing to compare with."""
+        prefill = self.prefill.value
+        if prefill is None or tokens <= 0:
+            return None
+        rate = None if tier in self.memory_tiers else self.tiers.get(tier)
+        expected = tokens * rate.value if rate is not None and rate.value is not None else 0.0
+        allowance = CUT_FRACTION * tokens * prefill
+        return max(allowance, min(HEALTHY_MULTIPLE * expected, expected + allowance))
 
     def start_probe(self, tier: str) -> bool:
         """Whether to re-measure ``tier`` now (one probe at a time, each

@@ -29,6 +29,12 @@ class LoadJob:
     chunks: list[ChunkIO]
     tiers: list[str]  # tier holding each chunk at lookup time (for metrics)
     sync: bool = False  # copy in before this step's forward (chunks in host memory)
+    # Asynchronous loads under load_decision auto (None: unbounded): seconds
+    # the load may read from when its reads start (costs.LoadCosts.budget),
+    # and the engine's prefill seconds per token, against which the worker
+    # projects the load's remainder from the chunks that arrived.
+    budget_s: float | None = None
+    prefill_s_per_token: float | None = None
 
 
 @dataclass
@@ -49,21 +55,24 @@ class KVTierMetadata(KVConnectorMetadata):
 @dataclass
 class KVTierWorkerMeta(KVConnectorWorkerMetadata):
     """Workers -> scheduler, each step: the asynchronous loads that finished
-    this step, per request (seconds from its start to its reader's end,
-    tokens it brought into the engine). A load cut short (timeout, a bad
-    chunk) counts only what arrived, so a tier too slow to finish within
-    its deadline still shows its true speed. vLLM merges the ranks'
-    metadata of one step with ``aggregate`` (the slowest rank, the fewest
-    tokens); ranks that finish in other steps send theirs then, and the
+    this step, per request (the load's share of its worker's reading time,
+    tokens it brought into the engine; see costs.py), and those the worker
+    stopped before they were done (``stopped``: why, "budget" or
+    "projected"). A load cut short (timeout, a bad chunk, a stop) counts
+    only what arrived, so a tier too slow to finish within its deadline
+    still shows its true speed. vLLM merges the ranks' metadata of one step
+    with ``aggregate`` (the slowest rank, the fewest tokens, any rank's
+    stop); ranks that finish in other steps send theirs then, and the
     scheduler merges those the same way until vLLM reports the load done."""
 
     reads: dict[str, tuple[float, int]] = field(default_factory=dict)
+    stopped: dict[str, str] = field(default_factory=dict)
 
     def aggregate(self, other: "KVTierWorkerMeta") -> "KVTierWorkerMeta":
         merged = dict(self.reads)
         for rid, read in other.reads.items():
             merged[rid] = merge_reads(merged.get(rid), read)
-        return KVTierWorkerMeta(merged)
+        return KVTierWorkerMeta(merged, {**other.stopped, **self.stopped})
 
 
 def merge_reads(a: tuple[float, int] | None, b: tuple[float, int]) -> tuple[float, int]:

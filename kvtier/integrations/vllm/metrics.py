@@ -40,6 +40,11 @@ class ConnectorMetrics:
             "Seconds during which at least one asynchronous load was queued or reading (with kvtier_read_bytes: "
             "the aggregate read rate of loads that overlap, as when many sessions return at once)",
             registry=registry)
+        self.load_wait_seconds = Histogram(
+            "kvtier_vllm_load_wait_seconds",
+            "Time a request waited for its asynchronous load: from the step that handed it to the workers to the "
+            "step that reported it done (scheduler)",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=registry)
         self.scatter_seconds = Histogram(
             "kvtier_vllm_scatter_seconds",
             "Time spent copying loaded chunks into engine blocks per step (engine thread)",
@@ -67,8 +72,14 @@ class ConnectorMetrics:
         self.recompute_decisions = Counter(
             "kvtier_vllm_recompute_decisions",
             "Requests left to the engine, in part or whole, because loading from TIER is slower than the engine "
-            "recomputes (load_decision: auto): reason=cut (a hit claimed short), not_asked (the lookup left the "
-            "tier out)", ["tier", "reason"], registry=registry)
+            "recomputes (load_decision: auto): reason=cut (a hit claimed short), queued (claimed short because of "
+            "the loads queued on the tier), not_asked (the lookup left the tier out)", ["tier", "reason"],
+            registry=registry)
+        self.stopped_loads = Counter(
+            "kvtier_vllm_stopped_loads",
+            "Asynchronous loads stopped before they were done, the rest left to the engine (load_decision: auto): "
+            "reason=budget (read past their budget), projected (the chunks that arrived showed the rest would "
+            "read slower than the engine recomputes it)", ["tier", "reason"], registry=registry)
         self.recomputed_hit_tokens = Counter(
             "kvtier_vllm_recomputed_hit_tokens",
             "Tokens kvtier held but left to the engine to recompute, because loading them from TIER is slower",

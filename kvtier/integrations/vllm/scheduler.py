@@ -13,9 +13,12 @@ Keys here are the TP group's chain; each worker names its own shard of a
 chunk from it. Lookups ask ``GroupView``, which sees every rank's tiers from
 this process: a chunk counts only when every rank's shard of it is stored.
 
-A hit is claimed only as far as loading it beats recomputing it
-(``LoadCosts``, costs.py): the engine's step times and the workers' read
-times (their ``KVTierWorkerMeta``) keep both rates current.
+A hit is claimed only as far as loading it, behind the loads already
+queued on its tier, beats recomputing it (``LoadCosts``, costs.py): the
+engine's step times and the workers' read times (their
+``KVTierWorkerMeta``) keep both rates current. Each asynchronous load
+carries a budget, so that a load from a tier slower than measured (or not
+measured yet) stops and leaves the rest to the engine.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any
 
 from kvtier.engine.executor import LOAD, PriorityExecutor
 from kvtier.integrations.vllm.costs import LoadCosts
+from kvtier.integrations.vllm.eligibility import cacheable, must_compute_prompt
 from kvtier.integrations.vllm.enginewait import QuietWhileLoading
 from kvtier.integrations.vllm.group import GroupView
 from kvtier.integrations.vllm.metadata import ChunkIO, KVTierMetadata, KVTierWorkerMeta, LoadJob, SaveJob, merge_reads
@@ -70,30 +74,8 @@ class _Req:
     claim: tuple[Future, int, int] | None = None  # (lookup, vLLM's hit, tokens claimed up to): decided once
     load_tier: str = ""  # an async load in flight: the slowest tier it reads from
     read: tuple[float, int] | None = None  # its (seconds, tokens loaded), over the ranks reported so far
-
-
-def must_compute_prompt(request) -> bool:
-    """A request whose every prompt token must be computed, so no cached
-    prefix may be claimed for it: prompt logprobs need each prompt position's
-    logits. vLLM 0.31+ marks it (``skip_reading_prefix_cache``, set from the
-    sampling or pooling parameters) and skips connectors for it itself;
-    vLLM 0.30 has neither, so kvtier asks the sampling parameters."""
-    skip = getattr(request, "skip_reading_prefix_cache", None)
-    if skip is not None:
-        return bool(skip)
-    params = getattr(request, "sampling_params", None)
-    return params is not None and getattr(params, "prompt_logprobs", None) is not None
-
-
-def _cacheable(request) -> bool:
-    """Token ids alone identify the KV only for plain text requests: images
-    (placeholder tokens), LoRA adapters and prompt embeddings change KV
-    without changing token ids, so such requests bypass kvtier entirely."""
-    return not (
-        getattr(request, "mm_features", None)
-        or getattr(request, "lora_request", None)
-        or getattr(request, "prompt_embeds", None) is not None
-    )
+    stopped: str = ""  # a rank stopped its load early: why ("budget", "projected")
+    load_sent: float = 0.0  # perf_counter when its asynchronous load went to the workers
 
 
 def _done_hit(st: "_Req | None") -> "_Hit | None":
@@ -157,7 +139,7 @@ class KVTierScheduler:
             if root is None:
                 root = self._roots[salt] = root_key(self.settings.namespace.with_salt(salt).digest())
             st = self._reqs[request.request_id] = _Req(request, root)
-            st.failed = not _cacheable(request)
+            st.failed = not cacheable(request)
         st.request = request
         return st
 
@@ -232,7 +214,7 @@ class KVTierScheduler:
     def _claim(self, st: _Req, hit: "_Hit", lo: int) -> int:
         """Where the claimed part of ``hit`` ends (tokens): all of it, or up
         to the first chunk past vLLM's own hit ``lo`` whose tier loads slower
-        than the engine recomputes. Decided once per lookup answer and hit,
+        than the engine recomputes, behind the loads queued there. Decided once per lookup answer and hit,
         so that vLLM's repeated asks get one answer; a cut is counted."""
         if hit.tokens <= lo or self.settings.decision.mode == "always":
             return hit.tokens
@@ -243,14 +225,26 @@ class KVTierScheduler:
             starts.append(pos)
             pos += k.num_tokens
         first = next(i for i, k in enumerate(hit.keys) if starts[i] + k.num_tokens > lo)
-        n, stopped = self.costs.claimable(hit.tiers[first:])
+        tokens = [min(starts[i] + k.num_tokens, hit.tokens) - max(starts[i], lo)
+                  for i, k in enumerate(hit.keys) if i >= first]
+        ahead = self._queued_tokens()
+        n, stopped = self.costs.claimable(hit.tiers[first:], tokens, ahead)
         end = hit.tokens if first + n >= len(hit.keys) else max(lo, starts[first + n])
         if stopped is not None and end < hit.tokens:
-            self.metrics.recompute_decisions.labels(stopped, "cut").inc()
+            reason = "queued" if ahead.get(stopped) and self.costs.pays_off(stopped) else "cut"
+            self.metrics.recompute_decisions.labels(stopped, reason).inc()
             self.metrics.recomputed_hit_tokens.labels(stopped).inc(hit.tokens - end)
-
         st.claim = (st.lookup, lo, end)
         return end
+
+    def _queued_tokens(self) -> dict[str, int]:
+        """Per tier, tokens of the asynchronous loads claimed there and not
+        reported done: a new load from the tier waits behind them."""
+        out: dict[str, int] = {}
+        for st in self._reqs.values():
+            if st.loading_blocks is not None and not st.sync_load:
+                out[st.load_tier] = out.get(st.load_tier, 0) + len(st.loading_blocks) * self.bs
+        return out
 
     def _all_in_memory(self, root: ChunkKey, tokens: list[int]) -> bool:
         if not self.view.host_memory:
@@ -375,8 +369,12 @@ class KVTierScheduler:
             chunks.append(ChunkIO(k, ids, skip=(max(start, lo) - start) // self.bs, source_tp=src))
             tiers.append(tier)
         st.loading_blocks = {b for c in chunks for b in c.block_ids[c.skip :]}
-        st.load_tier, st.read = self.view.slowest(tiers), None
-        self._pending_loads.append(LoadJob(request.request_id, chunks, tiers, sync=st.sync_load))
+        st.load_tier, st.read, st.stopped = self.view.slowest(tiers), None, ""
+        bounded = self.settings.decision.mode == "auto" and not st.sync_load  # "always" loads however slowly
+        self._pending_loads.append(LoadJob(
+            request.request_id, chunks, tiers, sync=st.sync_load,
+            budget_s=self.costs.budget(st.load_tier, len(st.loading_blocks) * self.bs) if bounded else None,
+            prefill_s_per_token=self.costs.prefill.value if bounded else None))
 
     # ------------------------------------------------------------ per step
     def build_connector_meta(self, scheduler_output) -> KVTierMetadata:
@@ -386,6 +384,9 @@ class KVTierScheduler:
         self._pending_loads = []
         if meta.loads:
             self._quiet.loading(True)
+        for job in meta.loads:
+            if not job.sync and job.req_id in self._reqs:
+                self._reqs[job.req_id].load_sent = time.perf_counter()
         scheduled = scheduler_output.num_scheduled_tokens
         for nr in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(nr.req_id)
@@ -410,7 +411,7 @@ class KVTierScheduler:
     def _plan_saves(self, st: _Req, computed: int, meta: KVTierMetadata) -> None:
         """Save every chunk whose KV is complete after this step: full chunks
         as they fill, and at the end of the prompt its whole-block tail."""
-        if not _cacheable(st.request):
+        if not cacheable(st.request):
             return
         req, C, bs = st.request, self.chunk, self.bs
         whole = min(computed, len(req.all_token_ids)) // bs * bs
@@ -460,6 +461,9 @@ class KVTierScheduler:
                 st = self._reqs.get(rid)
                 if st is not None:
                     st.read = merge_reads(st.read, read)
+            for rid, why in timings.stopped.items():
+                if rid in self._reqs:
+                    self._reqs[rid].stopped = self._reqs[rid].stopped or why
         in_flight = False
         for rid, st in self._reqs.items():
             if st.loading_blocks is None:
@@ -476,13 +480,18 @@ class KVTierScheduler:
                 continue
             if not st.sync_load:
                 self._timed(st)
+                self.metrics.load_wait_seconds.observe(time.perf_counter() - st.load_sent)
+            if st.stopped:
+                self.metrics.stopped_loads.labels(st.load_tier, st.stopped).inc()
             bad = st.bad_blocks
             if st.load_failed or bad:
                 st.failed = True  # never claim again: vLLM would ask once more and loop
-                # What could not be loaded (corrupt, evicted, truncated) is
-                # recomputed now: save it again, or the hole stays for the
-                # next request with this prefix.
-                st.saved_upto, st.tail_saved = 0, False
+                if not st.stopped:
+                    # What could not be loaded (corrupt, evicted, truncated)
+                    # is recomputed now: save it again, or the hole stays for
+                    # the next request with this prefix. (A stopped load's
+                    # chunks are stored, only slow to read.)
+                    st.saved_upto, st.tail_saved = 0, False
                 self.metrics.load_failed_blocks.inc(len(bad))
             st.loading_blocks, st.bad_blocks, st.load_failed = None, set(), False
         self._quiet.loading(in_flight)

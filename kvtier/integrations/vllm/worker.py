@@ -7,6 +7,13 @@ Threads:
   reports them, so nothing else touches those blocks meanwhile. Every load
   that was started is reported, failed or not: vLLM keeps the blocks until
   then, even for a request aborted meanwhile.
+- A load the scheduler gave a budget (``LoadJob.budget_s``) stops reading
+  once its reads have run that long (checked by the engine thread at every
+  ``get_finished``), or as soon as the chunks that arrived show its
+  remainder would take longer to read than to recompute (checked by the
+  loader at each arrival). It keeps the chunks that arrived and reports
+  the rest failed, as a timeout does; a read under way when it stops ends
+  in the background and its object is dropped.
 - Saves run in the worker thread in ``wait_for_save``, after the forward pass,
   while the blocks are certainly valid: one copy of each block into a pooled
   chunk object; the store writes it through in the background.
@@ -65,6 +72,11 @@ class KVTierWorker:
         self._inflight: dict[str, _InFlight] = {}  # asynchronous loads not yet reported
         self._errors_to_report: set[int] = set()
         self._reads: dict[str, tuple[float, int]] = {}  # finished loads (seconds, tokens), not yet reported (engine thread)
+        self._stopped: dict[str, str] = {}  # of those, the loads stopped early: why (engine thread)
+        # Loads reading now, and when their shares of the reading time were
+        # last counted (guarded by the lock): see ``_share``.
+        self._reading: list[_InFlight] = []
+        self._shared_at = 0.0
         self._arrived = threading.Event()  # set when a chunk arrived or a load finished reading
         self._busy_since: float | None = None  # while asynchronous loads are queued or reading (under _lock)
 
@@ -119,7 +131,7 @@ class KVTierWorker:
                     continue
                 flight = self._inflight[job.req_id] = _InFlight(job)
                 if self._busy_since is None:
-                    self._busy_since = flight.started
+                    self._busy_since = time.perf_counter()
             fut = self._loader.submit(LOAD, self._load, job, flight)
             fut.add_done_callback(lambda f, flight=flight: self._read_ended(flight, f))
 
@@ -136,6 +148,11 @@ class KVTierWorker:
         shard is cut from them (``_assemble``); it is stored under this
         rank's own key too, so the next load reads it directly."""
         t0 = time.perf_counter()
+        if flight is not None:
+            with self._lock:
+                self._share(t0)
+                flight.reading_since = t0
+                self._reading.append(flight)
         objs: list[ChunkObject] = []
         wanted = [self._sources(c) for c in job.chunks]
         try:
@@ -159,8 +176,19 @@ class KVTierWorker:
                         objs.append(obj)
                         continue
                     with self._lock:
+                        if flight.read_done:  # stopped at its budget: what comes now is not copied in
+                            obj.release()
+                            complete = False
+                            break
                         flight.arrived.append(obj)
+                        flight.received += 1
+                        late = flight.projected_late(time.perf_counter(), self.settings.block_size)
+                        if late:
+                            flight.stopped = "projected"
                     self._arrived.set()
+                    if late:
+                        complete = False
+                        break
                 if complete:
                     # Resumed once more, the fetch promotes the last object
                     # into memory and ends.
@@ -235,13 +263,47 @@ class KVTierWorker:
         if exc is not None:  # a failed load is a recompute, never a failed request
             log.warning("kvtier: load for %s failed: %s; recomputing", flight.job.req_id, exc)
         with self._lock:
-            flight.read_done = True
-            now = time.perf_counter()
-            flight.read_seconds = now - flight.started
-            if self._busy_since is not None and all(f.read_done for f in self._inflight.values()):
-                self.metrics.load_busy_seconds.inc(now - self._busy_since)
-                self._busy_since = None
+            if not flight.read_done:
+                self._reads_ended(flight, time.perf_counter())
         self._arrived.set()
+
+    def _share(self, now: float) -> None:
+        """Charge the time since the last count to the loads reading, each
+        its 1/n share (lock held). A load's share is the reading time that
+        was its own: the scheduler's cost model turns it into the tier's
+        one-load-alone rate, which it multiplies by the tokens queued on the
+        tier (costs.py), so the loader's concurrency is counted once."""
+        if self._reading:
+            part = (now - self._shared_at) / len(self._reading)
+            for f in self._reading:
+                f.share += part
+        self._shared_at = now
+
+    def _end_reading(self, flight: "_InFlight", now: float) -> None:
+        """``flight`` reads no more (lock held)."""
+        if flight in self._reading:
+            self._share(now)
+            self._reading.remove(flight)
+
+    def _reads_ended(self, flight: "_InFlight", now: float) -> None:
+        """``flight`` is done reading, at its end or stopped (lock held);
+        the loader's busy time ends with the last load in flight."""
+        self._end_reading(flight, now)
+        flight.read_done = True
+        if self._busy_since is not None and all(f.read_done for f in self._inflight.values()):
+            self.metrics.load_busy_seconds.inc(now - self._busy_since)
+            self._busy_since = None
+
+    def _stop_overdue(self, now: float) -> None:
+        """Stop the loads whose reads ran past their budget (lock held): they
+        end with what arrived, the rest is recomputed."""
+        for f in self._inflight.values():
+            budget = f.job.budget_s
+            if f.read_done or f.reading_since is None or budget is None or now - f.reading_since < budget:
+                continue
+            log.debug("kvtier: load for %s stopped at its budget of %.1f ms", f.job.req_id, budget * 1e3)
+            f.stopped = "budget"
+            self._reads_ended(f, now)
 
     def _place_threads(self) -> None:
         """Move kvtier's threads of this process off the engine's compute
@@ -268,12 +330,14 @@ class KVTierWorker:
         request; wait (GIL released) until a chunk arrives, at most
         ``_IDLE_WAIT_S``."""
         with self._lock:
+            self._stop_overdue(time.perf_counter())
             waiting = idle and bool(self._inflight) and not any(
                 f.arrived or f.read_done for f in self._inflight.values())
             self._arrived.clear()
         if waiting:
             self._arrived.wait(_IDLE_WAIT_S)
         with self._lock:
+            self._stop_overdue(time.perf_counter())
             batches = [(f, f.arrived, f.read_done) for f in self._inflight.values() if f.arrived or f.read_done]
             for f, _, _ in batches:
                 f.arrived = []
@@ -289,7 +353,9 @@ class KVTierWorker:
             if read_done and flight.copies_done(self):
                 failed |= flight.missing_blocks()
                 finished.add(flight.job.req_id)
-                self._reads[flight.job.req_id] = (flight.read_seconds, flight.loaded_tokens(self.settings.block_size))
+                self._reads[flight.job.req_id] = (flight.share, flight.loaded_tokens(self.settings.block_size))
+                if flight.stopped:
+                    self._stopped[flight.job.req_id] = flight.stopped
         self.metrics.scatter_seconds.observe(time.perf_counter() - t0)
         with self._lock:
             for rid in finished:
@@ -303,7 +369,7 @@ class KVTierWorker:
         each tier's speed from them (costs.py)."""
         if not self._reads:
             return None
-        meta, self._reads = KVTierWorkerMeta(self._reads), {}
+        meta, self._reads, self._stopped = KVTierWorkerMeta(self._reads, self._stopped), {}, {}
         return meta
 
     def _reclaimed(self, p) -> bool:
@@ -390,9 +456,11 @@ class _InFlight:
     def __init__(self, job: LoadJob):
         self.job = job
         self.arrived: list[ChunkObject] = []
-        self.read_done = False
-        self.started = time.perf_counter()
-        self.read_seconds = 0.0  # from start to the loader's end, set with read_done
+        self.read_done = False  # set by the loader's end, or by a stop at the budget
+        self.reading_since: float | None = None  # perf_counter when its reads started (loader thread)
+        self.share = 0.0  # seconds of reading that were its own (``KVTierWorker._share``; lock)
+        self.received = 0  # leading chunks handed over by the loader (lock)
+        self.stopped = ""  # why it was stopped early: "budget" or "projected" (lock)
         self.copied = 0  # leading chunks copied into the engine
         self.broken = False  # a copy failed: nothing more is copied
         self.pending: list = []  # device copies enqueued, not yet known complete
@@ -426,10 +494,27 @@ class _InFlight:
             worker.device.release(self.pending.pop(0))
         return not self.pending
 
+    def projected_late(self, now: float, block_size: int) -> bool:
+        """Will the rest of this load, read at the pace of the chunks that
+        arrived so far, take longer than recomputing the rest?"""
+        prefill = self.job.prefill_s_per_token
+        if prefill is None or self.reading_since is None:
+            return False
+        got = _tokens(self.job.chunks[:self.received], block_size)
+        left = _tokens(self.job.chunks[self.received:], block_size)
+        if got <= 0 or left <= 0:
+            return False
+        return left * (now - self.reading_since) / got > left * prefill
+
     def loaded_tokens(self, block_size: int) -> int:
         """Tokens this load brought into the engine (chunks copied in)."""
-        return sum(len(c.block_ids) - c.skip for c in self.job.chunks[:self.copied]) * block_size
+        return _tokens(self.job.chunks[:self.copied], block_size)
 
     def missing_blocks(self) -> set[int]:
         """Blocks of the chunks that were not copied in (vLLM recomputes them)."""
         return {b for c in self.job.chunks[self.copied:] for b in c.block_ids[c.skip:]}
+
+
+def _tokens(chunks, block_size: int) -> int:
+    """Tokens a load writes into the engine for ``chunks``."""
+    return sum(len(c.block_ids) - c.skip for c in chunks) * block_size

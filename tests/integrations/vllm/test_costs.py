@@ -9,6 +9,7 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
+from prometheus_client import REGISTRY
 
 from kvtier.config import parse_store_config
 from kvtier.engine.store import TieredStore
@@ -75,6 +76,43 @@ def test_a_tier_slower_than_prefill_cuts_the_claim_at_its_first_chunk():
     assert c.claimable(["disk", "disk"]) == (2, None)
 
 
+def test_a_load_budget_is_its_expected_time_with_a_bounded_margin_over_recompute():
+    c, _ = costs()
+    assert c.budget("shared", 1000) is None  # prefill not measured: nothing to bound a load by
+    c.prefill.value = 0.001  # recomputing 1000 tokens: 1 s
+    # Rate unknown: a tenth of recomputing, so a load that brings nothing
+    # costs its request 1.1 x recompute.
+    assert c.budget("shared", 1000) == pytest.approx(0.1)
+    c.loaded("disk", seconds=0.01, tokens=1000)  # 10 ms expected: 4 x that is within the floor
+    assert c.budget("disk", 1000) == pytest.approx(0.1)
+    c.loaded("nfs", seconds=0.03, tokens=1000)  # 30 ms expected: 4 x that, 120 ms
+    assert c.budget("nfs", 1000) == pytest.approx(0.12)
+    c.loaded("s3", seconds=0.5, tokens=1000)  # 500 ms expected: 4 x that passes expected + 100 ms
+    assert c.budget("s3", 1000) == pytest.approx(0.6)
+    assert c.budget("memory", 1000) == pytest.approx(0.1)
+
+
+def test_the_claim_waits_behind_the_tokens_queued_on_its_tier():
+    c, _ = costs()
+    c.prefill.value = 0.001
+    c.loaded("shared", seconds=0.128, tokens=256)  # 0.5 ms per token: half of prefill's
+    tiers, tokens = ["shared"] * 4, [256] * 4
+    assert c.claimable(tiers, tokens, {}) == (4, None)  # alone it pays off
+    # 1024 ahead + 1024 own at 0.5 ms: 1.024 s, as long as recomputing: still claimed.
+    assert c.claimable(tiers, tokens, {"shared": 1024}) == (4, None)
+    # 2048 ahead: 1.536 s to wait for 1.024 s of prefill: left to the engine.
+    assert c.claimable(tiers, tokens, {"shared": 2048}) == (0, "shared")
+    assert c.claimable(tiers, tokens, {"disk": 1 << 20}) == (4, None)  # another tier's queue is not in its way
+    # Memory chunks are claimed before the queue; the shared ones are judged
+    # on their own tokens: (1024 + 512) x 0.5 ms > 512 x 1 ms.
+    assert c.claimable(["memory", "shared", "shared"], [256] * 3, {"shared": 1024}) == (1, "shared")
+    # The wait ahead is amortized over all of a tier's chunks: 256 ahead
+    # would not pay for one chunk ((256 + 256) x 0.5 ms = 256 x 1 ms; 300 is
+    # more) but pays for two.
+    assert c.claimable(["shared"], [256], {"shared": 300}) == (0, "shared")
+    assert c.claimable(["shared", "shared"], [256, 256], {"shared": 300}) == (2, None)
+
+
 def test_a_ruled_out_tier_is_probed_once_per_interval_and_used_again_once_it_recovers():
     c, clock = costs()
     c.prefill.value = 0.001
@@ -105,8 +143,9 @@ def test_a_probe_that_never_reports_lapses():
 
 def test_worker_reads_aggregate_to_the_slowest_rank_and_the_fewest_tokens():
     a = KVTierWorkerMeta({"r1": (0.5, 256), "r2": (0.1, 512)})
-    b = KVTierWorkerMeta({"r1": (0.2, 128), "r3": (0.3, 256)})
+    b = KVTierWorkerMeta({"r1": (0.2, 128), "r3": (0.3, 256)}, {"r3": "budget"})
     assert a.aggregate(b).reads == {"r1": (0.5, 128), "r2": (0.1, 512), "r3": (0.3, 256)}
+    assert a.aggregate(b).stopped == {"r3": "budget"}  # one rank's stop is the load's
 
 
 @pytest.mark.parametrize("extra, key", [
@@ -183,6 +222,97 @@ def test_a_probe_reads_in_the_background_while_the_request_recomputes(tmp_path):
         s.update_connector_output(SimpleNamespace(finished_recving=None, invalid_block_ids=set(), failed_recving=set()))
         assert s.costs.tiers["disk"].value < 0.1  # the fast read pulled the estimate down
         assert not s._probes
+    finally:
+        s.close()
+        store.close()
+
+
+def _claim(s, rid, tokens=TOK[:20], blocks=(10, 11, 12, 13, 14)):
+    """Ask for ``rid`` and allocate what it claims; the claimed count."""
+    req = request(rid, tokens)
+    n, _ = ask(s, req)
+    if n:
+        s.update_state_after_alloc(req, Blocks(list(blocks)), n)
+    return n
+
+
+def test_a_claim_counts_the_loads_queued_ahead_on_its_tier(tmp_path):
+    """The disk loads a token in 0.6 ms, the engine computes one in 1 ms: a
+    request alone loads its 16 tokens; a second one with another 16 pending
+    ahead of it would wait 19.2 ms for 16 ms of prefill, so it recomputes.
+    Once the first load is done the next claim pays off again."""
+    s, store = _disk_scheduler(tmp_path)
+    try:
+        store_chunks(s, TOK, [C, C])
+        store.flush()
+        s.costs.prefill.value = 0.001
+        s.costs.loaded("disk", seconds=0.0096, tokens=16)
+        queued = s.metrics.recompute_decisions.labels("disk", "queued")
+        before = queued._value.get()
+        assert _claim(s, "a") == 16
+        assert _claim(s, "b") == 0
+        assert queued._value.get() - before == 1
+        s.build_connector_meta(output())
+        s.update_connector_output(SimpleNamespace(finished_recving={"a"}, invalid_block_ids=set(),
+                                                  failed_recving=set(),
+                                                  kv_connector_worker_meta=KVTierWorkerMeta({"a": (0.0096, 16)})))
+        assert _claim(s, "c") == 16
+    finally:
+        s.close()
+        store.close()
+
+
+def test_an_asynchronous_load_carries_its_budget_and_the_prefill_rate(tmp_path):
+    s, store = _disk_scheduler(tmp_path)
+    try:
+        store_chunks(s, TOK, [C, C])
+        store.flush()
+        s.costs.prefill.value = 0.001
+        assert _claim(s, "a") == 16
+        (job,) = s.build_connector_meta(output()).loads
+        assert job.budget_s == pytest.approx(0.1 * 16 * 0.001)  # the disk's rate is not known yet
+        assert job.prefill_s_per_token == 0.001
+    finally:
+        s.close()
+        store.close()
+    s, store = _disk_scheduler(tmp_path / "b", load_decision="always")
+    try:
+        store_chunks(s, TOK, [C, C])
+        store.flush()
+        s.costs.prefill.value = 0.001
+        assert _claim(s, "a") == 16
+        (job,) = s.build_connector_meta(output()).loads
+        assert job.budget_s is None and job.prefill_s_per_token is None  # "always" loads all, however slowly
+    finally:
+        s.close()
+        store.close()
+
+
+def test_a_load_stopped_at_its_budget_rules_its_tier_out_and_is_not_saved_again(tmp_path):
+    """The first load from a tier not measured yet is stopped with nothing
+    in: the tier is ruled out at once (the next request does not ask it),
+    the stop is counted, and the request's chunks, stored, are not written
+    again while the engine recomputes them."""
+    s, store = _disk_scheduler(tmp_path)
+    try:
+        store_chunks(s, TOK, [C, C])
+        store.flush()
+        s.costs.prefill.value = 0.001
+        stopped = s.metrics.stopped_loads.labels("disk", "budget")
+        before = stopped._value.get()
+        waits = REGISTRY.get_sample_value("kvtier_vllm_load_wait_seconds_count") or 0.0
+        assert _claim(s, "a") == 16
+        s.build_connector_meta(output())
+        s.update_connector_output(SimpleNamespace(
+            finished_recving={"a"}, invalid_block_ids={10, 11, 12, 13}, failed_recving=set(),
+            kv_connector_worker_meta=KVTierWorkerMeta({"a": (0.0016, 0)}, {"a": "budget"})))
+        assert stopped._value.get() - before == 1
+        assert REGISTRY.get_sample_value("kvtier_vllm_load_wait_seconds_count") - waits == 1  # what "a" waited
+        assert s.costs.ruled_out() == {"disk"}
+        assert ask(s, request("a", TOK[:20])) == (0, False)
+        cached = SimpleNamespace(req_ids=["a"], new_block_ids=[None], num_computed_tokens=[0], resumed_req_ids=set())
+        assert s.build_connector_meta(output(cached=cached, scheduled={"a": 20})).saves == []
+        assert _claim(s, "b") == 0
     finally:
         s.close()
         store.close()

@@ -56,10 +56,10 @@ def _block_holds(caches, block: int, value: float) -> bool:
     return all(bool((t[block] == value).all()) for t in caches.values())
 
 
-def _finish(worker, rid: str, timeout: float = 10) -> None:
+def _finish(worker, rid: str | set[str], timeout: float = 10) -> None:
     deadline = time.monotonic() + timeout
     done: set[str] = set()
-    while rid not in done:
+    while not ({rid} if isinstance(rid, str) else rid) <= done:
         assert time.monotonic() < deadline, "the load never finished"
         _, finished = worker.get_finished(set(), idle=True)
         done |= finished or set()
@@ -89,6 +89,79 @@ def test_chunks_are_copied_in_while_later_ones_are_still_read(rig):
     _finish(worker, "r1", 15)
     assert all(_block_holds(caches, i + 1, i + 1) for i in range(6))
     assert worker.get_block_ids_with_load_errors() == set()
+
+
+def _stored_job(store, worker, rid: str, seed: int, n: int, first_block: int = 1, **kw) -> tuple[LoadJob, list]:
+    """``n`` one-block chunks on the disk tier, chunk i holding i + 1, and
+    a job loading them into blocks ``first_block``.. (``kw``: LoadJob's)."""
+    keys = keys_for(seed, n)
+    shape = worker.layout.chunk_shape(1)
+    store.tier("disk").store([encode(k, "float16", shape, _payload(i, shape).numpy().tobytes())
+                              for i, k in enumerate(keys)])
+    return LoadJob(rid, [ChunkIO(k, [first_block + i]) for i, k in enumerate(keys)], ["disk"] * n, **kw), keys
+
+
+def test_a_load_stops_at_its_budget_keeping_the_chunks_that_arrived(rig):
+    """Chunks 0-1 arrive, the rest hangs: at its budget the load is reported
+    done, chunks 0-1 in, blocks 3-6 failed (vLLM recomputes them), long
+    before the held reads end; the stop is reported to the scheduler."""
+    store, worker, caches = rig
+    job, keys = _stored_job(store, worker, "r", 11, 6, budget_s=0.3)
+    gate = threading.Event()
+    hold_reads(store.tier("disk"), keys, 2, gate)
+    try:
+        t0 = time.monotonic()
+        worker.start_load_kv(KVTierMetadata(loads=[job]))
+        _finish(worker, "r", timeout=5)
+        assert 0.3 <= time.monotonic() - t0 < 3
+        assert _block_holds(caches, 1, 1) and _block_holds(caches, 2, 2)
+        assert worker.get_block_ids_with_load_errors() == {3, 4, 5, 6}
+        meta = worker.worker_meta()
+        assert meta.stopped == {"r": "budget"}
+        seconds, tokens = meta.reads["r"]
+        assert tokens == 2 * BS and 0.3 <= seconds < 3
+    finally:
+        gate.set()
+    assert not _block_holds(caches, 3, 3)  # what lands after the stop is dropped, never copied in
+
+
+def test_a_load_stops_when_what_arrived_shows_the_rest_reads_slower_than_prefill(rig):
+    """An engine that computes a token in a nanosecond: after the first
+    chunk the rest is projected to read slower than it recomputes, so the
+    load stops there. At a second per token it reads everything."""
+    store, worker, caches = rig
+    job, _ = _stored_job(store, worker, "fast-engine", 12, 3, budget_s=60.0, prefill_s_per_token=1e-9)
+    worker.start_load_kv(KVTierMetadata(loads=[job]))
+    _finish(worker, "fast-engine")
+    assert _block_holds(caches, 1, 1)
+    assert worker.get_block_ids_with_load_errors() == {2, 3}
+    assert worker.worker_meta().stopped == {"fast-engine": "projected"}
+
+    job, _ = _stored_job(store, worker, "slow-engine", 13, 3, first_block=4, budget_s=60.0, prefill_s_per_token=1.0)
+    worker.start_load_kv(KVTierMetadata(loads=[job]))
+    _finish(worker, "slow-engine")
+    assert all(_block_holds(caches, 4 + i, i + 1) for i in range(3))
+    assert worker.get_block_ids_with_load_errors() == set()
+    assert worker.worker_meta().stopped == {}
+
+
+def test_loads_reading_at_once_are_each_charged_their_share_of_the_time(rig):
+    """Two loads read side by side for about half a second: each reports
+    about half of it (the tier's one-load-alone time, costs.py), not all."""
+    store, worker, caches = rig
+    a, ka = _stored_job(store, worker, "a", 14, 1, first_block=1)
+    b, kb = _stored_job(store, worker, "b", 15, 1, first_block=2)
+    gate = threading.Event()
+    hold_reads(store.tier("disk"), ka + kb, 0, gate)
+    t0 = time.monotonic()
+    worker.start_load_kv(KVTierMetadata(loads=[a, b]))
+    threading.Timer(0.5, gate.set).start()
+    _finish(worker, {"a", "b"})
+    wall = time.monotonic() - t0
+    reads = worker.worker_meta().reads
+    assert reads["a"][1] == reads["b"][1] == BS
+    assert reads["a"][0] + reads["b"][0] <= wall + 0.01
+    assert 0.15 < reads["a"][0] < 0.5 * wall + 0.1 and 0.15 < reads["b"][0] < 0.5 * wall + 0.1
 
 
 def test_each_rank_saves_and_loads_only_its_own_shard(tmp_path):
