@@ -279,8 +279,8 @@ def run(cfg: ClientBenchConfig, log=print) -> dict:
     node_memory = Path(tempfile.mkdtemp(prefix="kvtier-client-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     sides = {}
     try:
+        kv_config = cfg.kvtier_config or _default_kv_config(cfg.workdir, node_memory)
         for side in SIDES:
-            kv_config = cfg.kvtier_config or _default_kv_config(cfg.workdir, node_memory)
             sides[side] = run_side(side, cfg, model_dir, kv_config, dtype, log)
     finally:
         shutil.rmtree(node_memory, ignore_errors=True)
