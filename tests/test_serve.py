@@ -95,6 +95,24 @@ def test_refusals(cfg, tmp_path):
         serve.build_command("m", [], config=str(bad), launcher="module", environ={})
 
 
+def test_no_kvtier_runs_the_same_command_without_the_connector(cfg, capsys, monkeypatch):
+    """The A/B baseline: kvtier serve's own vLLM command, minus the connector."""
+    env = {"KVTIER_TIERS": "memory://?capacity=1GiB"}
+    with_kv = serve.build_command("/m", ["--port", "8000"], config=str(cfg), launcher="module", metrics_dir="/run/m",
+                                  tmp_dir="/run/t", environ=env)
+    without = serve.build_command("/m", ["--port", "8000"], launcher="module", metrics_dir="/run/m", tmp_dir="/run/t",
+                                  environ=env, connector=False)
+    assert with_kv.argv[:-2] == without.argv and "--kv-transfer-config" not in without.argv
+    assert without.env == {"PROMETHEUS_MULTIPROC_DIR": "/run/m", "TMPDIR": "/run/t"}
+    with pytest.raises(ConfigError, match="--no-kvtier"):
+        serve.build_command("/m", [], config=str(cfg), launcher="module", environ={}, connector=False)
+    monkeypatch.delenv("KVTIER_CONFIG", raising=False)
+    monkeypatch.delenv("KVTIER_TIERS", raising=False)
+    assert main(["serve", "/m", "--no-kvtier", "--launcher", "module", "--dry-run", "--port", "8001"]) == 0
+    words = shlex.split(capsys.readouterr().out.strip())
+    assert words[-4:] == ["--model", "/m", "--port", "8001"]
+
+
 def test_cli_dry_run_splits_kvtier_and_vllm_arguments(cfg, capsys, monkeypatch):
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
     rc = main(["serve", "/models/m", "--port", "8001", "--config", str(cfg), "--launcher", "module",

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from kvtier import argtypes, progress
-from kvtier.bench import soak
+from kvtier.bench import client, soak
 from kvtier.errors import ConfigError
 
 
@@ -24,6 +24,7 @@ def register(subparsers) -> None:
     _storage_parser(bsub)
     _resume_parser(bsub)
     _soak_parser(bsub)
+    client.register(bsub)
     _demo_parser(subparsers)
 
 
