@@ -39,6 +39,19 @@ outputs (--out DIR): report.md (for purchasing), summary.json, plan-hit_ratio.pn
 (RESULTS_DIR/requests.jsonl) with the configuration it ran and compares
 per-tier hit ratios (must be equal) and TTFT p50 (within 15%) with what it
 measured; exit status 1 when a bound is missed.
+
+--sweep predicts TTFT p50/p90/p99 when --concurrency sessions of --context
+tokens return at once (no trace): each load pays --load-latency-ms and shares
+the tier's --read-rate (one rate, or a rate per number of streams as fio
+measures it); the k-th load ends at lat + k*B/R. The engine computes the
+suffixes in steps: S (--engine-s: a resume whose KV is already in the engine;
+default the prefill law's) per suffix, the law's constant once per step.
+--engine-steps batched: every finished load joins the next step (vLLM's
+scheduler); staggered: one finished load per step (k-th first token at about
+L + k*S). On the directory of a `kvtier bench resume --concurrency` run
+(it holds sweep.json), --validate predicts every kvtier configuration and
+level from the run's fio rates, bytes read and engine phase, the step policy
+from its bursts (--engine-steps auto), and compares TTFT p50 (within 20%).
 """
 
 EXAMPLE = """\
@@ -47,6 +60,9 @@ examples:
       --engine-kv 16GiB --memory 64GiB --disk 1TiB --shared 8TiB --instances 4 --out plan/
   kvtier plan --synth --sessions 5000 --write-trace chat.jsonl --memory 32GiB --disk 512GiB
   kvtier plan --validate results/resume-w2
+  kvtier plan --sweep --model qwen2.5-7b --context 8192 --concurrency 1,8,16,32 \\
+      --read-rate 1:8.2,8:6.6,32:6.5 --engine-s 0.9
+  kvtier plan --validate results/sweep-w1
 """
 
 
@@ -104,6 +120,23 @@ def register(subparsers) -> None:
     g.add_argument("--decode-ms-per-token", type=float, default=0.0,
                    help="time a request keeps its engine blocks per output token after its prefill (default 0)")
 
+    g = p.add_argument_group("sessions returning at once (--sweep, and --validate of a sweep run)")
+    g.add_argument("--sweep", action="store_true", help="predict TTFT at each --concurrency level instead of replaying a trace")
+    g.add_argument("--concurrency", type=argtypes.ints, metavar="N[,N...]",
+                   help="sessions returning at once, one burst per level (default 1,8,16,32)")
+    g.add_argument("--context", type=int, help="tokens of each session's prompt at its resume (default 8192)")
+    g.add_argument("--read-rate", metavar="RATE", help="the tier's aggregate read rate: one for every level (2GB/s, "
+                   "1.5GiB/s, 800MB/s) or per number of streams as fio measures it (1:8.2,8:6.6,16:6.5: GB/s; a level "
+                   "takes the rate at the most streams not above it). Default: --shared-gbps; on --validate the run's fio")
+    g.add_argument("--engine-s", type=float, metavar="SECONDS", help="the engine's own resume: TTFT with the KV "
+                   "already in the engine (the sweep's engine phase). Default: the prefill law's suffix; on --validate "
+                   "the run's engine phase")
+    g.add_argument("--engine-steps", choices=("auto", "batched", "staggered"), default="auto",
+                   help="which finished loads each engine step computes: batched (all of them), staggered (one); "
+                   "auto (default): --validate reads it from the run's bursts, --sweep takes batched")
+    g.add_argument("--load-latency-ms", type=float, help="fixed cost of each load beyond its bytes (default "
+                   "--shared-latency-ms: 40)")
+
     g = p.add_argument_group("output")
     g.add_argument("--out", help="write report.md, summary.json and plots here")
     g.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -114,11 +147,13 @@ def register(subparsers) -> None:
     p.set_defaults(func=handle)
 
 
-def build_config(args, trace_units: int):
+def time_model(args):
+    """The KV shape of ``--model``, the prefill law and each tier's bandwidth
+    and latency, from the flags (``--calibrate``, ``--prefill``,
+    ``--storage-json``, ``--*-gbps``, ``--*-latency-ms``)."""
     from kvtier.bench.models import PRESETS
     from kvtier.bench.tinymodels import PRESETS as TINY
     from kvtier.plan import cost
-    from kvtier.plan.sim import PlanConfig, TierPlan
 
     if args.model not in PRESETS and args.model not in TINY:
         raise ConfigError("--model", f"unknown model preset {args.model!r}", f"use one of: {', '.join([*PRESETS, *TINY])}")
@@ -141,6 +176,27 @@ def build_config(args, trace_units: int):
     for t in ("memory", "disk", "shared"):
         gbps, lat = getattr(args, f"{t}_gbps"), getattr(args, f"{t}_latency_ms")
         io[t] = cost.TierIO(gbps if gbps else io[t].gbps, lat / 1000 if lat is not None else io[t].latency_s)
+    if args.prefill:
+        prefill = parse_prefill(args.prefill)
+    return model, prefill, io
+
+
+def parse_prefill(text: str):
+    """``--prefill a,b,c``."""
+    from kvtier.plan import cost
+
+    try:
+        a, b, c = (float(x) for x in text.split(","))
+    except ValueError:
+        raise ConfigError("--prefill", f"expected a,b,c, got {text!r}", "write e.g. --prefill 2e-3,2.5e-7,0.02") from None
+    return cost.PrefillModel(a, b, c, "--prefill")
+
+
+def build_config(args, trace_units: int):
+    from kvtier.plan import cost
+    from kvtier.plan.sim import PlanConfig, TierPlan
+
+    model, prefill, io = time_model(args)
     tiers = []
     for t in ("memory", "disk", "shared"):
         cap = getattr(args, t)
@@ -153,12 +209,6 @@ def build_config(args, trace_units: int):
         engine_blocks = args.engine_tokens // args.block_tokens
     elif args.engine_kv:
         engine_blocks = args.engine_kv // (bpt * args.block_tokens)
-    if args.prefill:
-        try:
-            a, b, c = (float(x) for x in args.prefill.split(","))
-        except ValueError:
-            raise ConfigError("--prefill", f"expected a,b,c, got {args.prefill!r}", "write e.g. --prefill 2e-3,2.5e-7,0.02") from None
-        prefill = cost.PrefillModel(a, b, c, "--prefill")
     if args.routing not in ("sticky", "random", "trace"):
         raise ConfigError("--routing", f"unknown routing {args.routing!r}", "use sticky, random or trace")
     if args.chunk_tokens % args.block_tokens:
@@ -190,11 +240,38 @@ def _trace(args):
     return loaders.load(args.trace, args.format, args.block_tokens, args.trace_block_tokens, args.limit, args.config)
 
 
+SWEEP_FLAGS = ("concurrency", "context", "read_rate", "engine_s", "load_latency_ms")
+
+
 def handle(args: argparse.Namespace) -> int:
+    sweep_run = None
+    if args.validate:
+        from kvtier.plan import sweepcheck
+
+        sweep_run = sweepcheck.find(Path(args.validate))
+        if sweep_run:
+            if args.load_latency_ms is None and args.shared_latency_ms is not None:
+                args.load_latency_ms = args.shared_latency_ms
+            return sweepcheck.main(args, sweep_run)
+    if not args.sweep:
+        given = [f for f in SWEEP_FLAGS if getattr(args, f) is not None] + (
+            ["engine_steps"] if args.engine_steps != "auto" else [])
+        if given:
+            flag = "--" + given[0].replace("_", "-")
+            raise ConfigError(flag, "applies only to sessions returning at once",
+                              "add --sweep, or pass --validate the directory of a kvtier bench resume --concurrency run")
     if args.validate:
         from kvtier.plan import validate
 
         return validate.main(args)
+    if args.sweep:
+        from kvtier.plan import sweepplan
+
+        if args.trace or args.synth:
+            raise ConfigError("--sweep", "predicts bursts of sessions, not a trace", "drop the trace (or --synth), or drop --sweep")
+        if args.load_latency_ms is None and args.shared_latency_ms is not None:
+            args.load_latency_ms = args.shared_latency_ms
+        return sweepplan.main(args)
     from dataclasses import replace
 
     from kvtier.plan import report
