@@ -3,34 +3,9 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
-from kvtier.cli import main
-
 DATA = Path(__file__).parent / "data"
-
-
-@dataclass
-class Result:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-@pytest.fixture
-def kvtier(capsys):
-    def run(*args) -> Result:
-        try:
-            rc = main(list(args))
-        except SystemExit as exc:  # argparse: --help, usage errors
-            rc = exc.code
-        out = capsys.readouterr()
-        return Result(rc, out.out, out.err)
-
-    return run
 
 
 def test_help_explains_inputs_and_outputs(kvtier):
