@@ -25,6 +25,7 @@ status 1 when a row is missed. Configurations without a connector
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import sys
 from collections import defaultdict
@@ -104,7 +105,7 @@ def _steps(recs: list[dict], engine_s: float, override: str | None) -> tuple[str
         return override, "--engine-steps"
     bursts: dict[tuple, list[float]] = defaultdict(list)
     for r in recs:
-        if str(r.get("phase", "")).startswith("c") and r.get("t_first") is not None:
+        if re.fullmatch(r"c\d+", str(r.get("phase", ""))) and r.get("t_first") is not None:
             bursts[(r.get("round", 0), r["phase"])].append(float(r["t_first"]))
     seen = concurrency.detect_steps(list(bursts.values()), engine_s)
     return (seen, "run") if seen else ("batched", "assumed")
@@ -114,10 +115,14 @@ def run(sweep_json: Path, prefill: cost.PrefillModel | None = None, read_rate: s
         engine_s: float | None = None, engine_steps: str | None = None,
         load_latency_s: float | None = None) -> tuple[list[LevelRow], cost.PrefillModel, dict]:
     """The rows of the validation, the law used and the sweep's document."""
-    from kvtier.plan.validate import calibrate
+    from kvtier.plan.validate import BLOCK, calibrate
 
-    doc = json.loads(sweep_json.read_text())
-    records = _records(sweep_json)
+    try:
+        doc = json.loads(sweep_json.read_text())
+        records = _records(sweep_json)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ConfigError("--validate", f"cannot read the sweep run in {sweep_json.parent}: {exc}",
+                          "pass the directory of a finished kvtier bench resume --concurrency run") from None
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in records:
         groups[(r.get("config"), str(r.get("case", "")), r.get("round", 0))].append(r)
@@ -138,7 +143,7 @@ def run(sweep_json: Path, prefill: cost.PrefillModel | None = None, read_rate: s
                 if not prompt:
                     raise ConfigError("--engine-s", f"case {case}: the run has neither an engine phase nor requests",
                                       "pass the engine's own resume time, e.g. --engine-s 0.5")
-                s = law.seconds(prompt, (prompt - 1) // 128 * 128)
+                s = law.seconds(prompt, (prompt - 1) // BLOCK * BLOCK)
             steps, steps_from = _steps(mine, s, engine_steps)
             for c, lv in v["levels"].items():
                 nbytes = lv.get("read_bytes_per_request") or 0.0

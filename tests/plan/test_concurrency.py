@@ -128,3 +128,10 @@ def test_help_explains_the_sweep(kvtier):
     for word in ("--sweep", "--concurrency", "--read-rate", "--engine-s", "--engine-steps", "staggered", "batched",
                  "sweep.json"):
         assert word in out
+
+
+def test_an_unreadable_sweep_run_exits_2(tmp_path, kvtier):
+    (tmp_path / "report").mkdir()
+    (tmp_path / "report" / "sweep.json").write_text("{")
+    proc = kvtier("plan", "--validate", str(tmp_path))
+    assert proc.returncode == 2 and "--validate" in proc.stderr and "Traceback" not in proc.stderr
