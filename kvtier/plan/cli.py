@@ -45,7 +45,8 @@ tokens return at once (no trace): each load pays --load-latency-ms and shares
 the tier's --read-rate (one rate, or a rate per number of streams as fio
 measures it); the k-th load ends at lat + k*B/R. The engine computes the
 suffixes in steps: S (--engine-s: a resume whose KV is already in the engine;
-default the prefill law's) per suffix, the law's constant once per step.
+default the prefill law's) per suffix, --step-overhead-ms (default the law's
+constant) once per step.
 --engine-steps batched: every finished load joins the next step (vLLM's
 scheduler); staggered: one finished load per step (k-th first token at about
 L + k*S). On the directory of a `kvtier bench resume --concurrency` run
@@ -134,6 +135,8 @@ def register(subparsers) -> None:
     g.add_argument("--engine-steps", choices=("auto", "batched", "staggered"), default="auto",
                    help="which finished loads each engine step computes: batched (all of them), staggered (one); "
                    "auto (default): --validate reads it from the run's bursts, --sweep takes batched")
+    g.add_argument("--step-overhead-ms", type=float, help="an engine step's fixed cost, paid once per step however "
+                   "many suffixes it computes (default: the prefill law's constant c; on a GPU, a step's launch cost)")
     g.add_argument("--load-latency-ms", type=float, help="fixed cost of each load beyond its bytes (default "
                    "--shared-latency-ms: 40)")
 
@@ -240,7 +243,7 @@ def _trace(args):
     return loaders.load(args.trace, args.format, args.block_tokens, args.trace_block_tokens, args.limit, args.config)
 
 
-SWEEP_FLAGS = ("concurrency", "context", "read_rate", "engine_s", "load_latency_ms")
+SWEEP_FLAGS = ("concurrency", "context", "read_rate", "engine_s", "step_overhead_ms", "load_latency_ms")
 
 
 def handle(args: argparse.Namespace) -> int:

@@ -11,8 +11,9 @@ the run itself says about its parts, never from the burst's own TTFTs:
     S    the engine's own resume: the median of the "engine" phase over the
          case's configurations (one request each per round; the engine's work is
          the same in each, so their median resists one slow sample); ``--engine-s``
-    o    a step's fixed cost: the constant of the prefill law, fitted to the
-         run's requests without a connector that ran alone (as ``validate.py``)
+    o    a step's fixed cost: ``--step-overhead-ms``, or the constant of the
+         prefill law fitted to the run's requests without a connector that ran
+         alone (as ``validate.py``)
     lat  the load latency (``--load-latency-ms``, default the shared tier's)
     steps  ``--engine-steps``, or what the configuration's bursts show
          (``concurrency.detect_steps``; batched when no burst has 3 sessions)
@@ -113,7 +114,7 @@ def _steps(recs: list[dict], engine_s: float, override: str | None) -> tuple[str
 
 def run(sweep_json: Path, prefill: cost.PrefillModel | None = None, read_rate: str | None = None,
         engine_s: float | None = None, engine_steps: str | None = None,
-        load_latency_s: float | None = None) -> tuple[list[LevelRow], cost.PrefillModel, dict]:
+        load_latency_s: float | None = None, step_overhead_s: float | None = None) -> tuple[list[LevelRow], cost.PrefillModel, dict]:
     """The rows of the validation, the law used and the sweep's document."""
     from kvtier.plan.validate import BLOCK, calibrate
 
@@ -127,6 +128,7 @@ def run(sweep_json: Path, prefill: cost.PrefillModel | None = None, read_rate: s
     for r in records:
         groups[(r.get("config"), str(r.get("case", "")), r.get("round", 0))].append(r)
     law = prefill or calibrate(groups, cost.PrefillModel())
+    o = law.c if step_overhead_s is None else step_overhead_s
     rates = _rates(doc, read_rate)
     lat = cost.DEFAULT_IO["shared"].latency_s if load_latency_s is None else load_latency_s
     local_cap = (doc.get("device") or {}).get("local_drive_bps")
@@ -152,16 +154,16 @@ def run(sweep_json: Path, prefill: cost.PrefillModel | None = None, read_rate: s
                 rate = concurrency.rate_at(rates, int(c))
                 if base == "kvtier-local-drive" and local_cap and not read_rate:
                     rate = min(rate, local_cap / 1e9)
-                p = concurrency.predict(concurrency.Burst(int(c), nbytes, rate, lat, s, law.c, steps))
+                p = concurrency.predict(concurrency.Burst(int(c), nbytes, rate, lat, s, o, steps))
                 rows.append(LevelRow(case, config, int(c), steps, steps_from, rate, lv["ttft_p50_s"],
                                      p["ttft_p50_s"], lv["ttft_p90_s"], p["ttft_p90_s"]))
     return rows, law, doc
 
 
-def format_rows(rows: list[LevelRow], law: cost.PrefillModel, doc: dict, lat: float) -> str:
+def format_rows(rows: list[LevelRow], law: cost.PrefillModel, doc: dict, lat: float, o: float) -> str:
     lines = [doc.get("description", "concurrency sweep"),
              f"prefill law: {law.a:.4g}*n + {law.b:.4g}*n^2 + {law.c:.3g} s ({law.source}); "
-             f"step overhead {law.c * 1000:.0f} ms; load latency {lat * 1000:.0f} ms", "",
+             f"step overhead {o * 1000:.0f} ms; load latency {lat * 1000:.0f} ms", "",
              f"{'case':>6}  {'configuration':<22}{'sessions':>8}  {'engine steps':<22}{'read GB/s':>9}"
              f"{'TTFT p50 m / p':>18}{'ratio':>7}{'p90 m / p':>17}  verdict"]
     lines.append("-" * len(lines[-1]))
@@ -175,6 +177,7 @@ def format_rows(rows: list[LevelRow], law: cost.PrefillModel, doc: dict, lat: fl
 
 def main(args, sweep_json: Path) -> int:
     from kvtier.plan.cli import parse_prefill
+    from kvtier.plan.sweepplan import step_overhead
     from kvtier.plan.validate import calibrate_run
 
     prefill = None
@@ -189,7 +192,8 @@ def main(args, sweep_json: Path) -> int:
     if args.load_latency_ms is not None and args.load_latency_ms < 0:
         raise ConfigError("--load-latency-ms", f"must be 0 or more, got {args.load_latency_ms}", "pass e.g. 40")
     lat = args.load_latency_ms / 1000 if args.load_latency_ms is not None else cost.DEFAULT_IO["shared"].latency_s
-    rows, law, doc = run(sweep_json, prefill, args.read_rate, args.engine_s, args.engine_steps, lat)
+    o = step_overhead(args, prefill or cost.PrefillModel()) if args.step_overhead_ms is not None else None
+    rows, law, doc = run(sweep_json, prefill, args.read_rate, args.engine_s, args.engine_steps, lat, o)
     if not rows:
         print(f"no kvtier configuration with loads in {sweep_json}: nothing to predict")
         return 1
@@ -198,7 +202,7 @@ def main(args, sweep_json: Path) -> int:
         print(json.dumps({"ok": ok, "prefill": law.__dict__, "load_latency_s": lat,
                           "rows": [r.to_json() for r in rows]}, indent=2))
     else:
-        print(format_rows(rows, law, doc, lat) + "\n")
+        print(format_rows(rows, law, doc, lat, law.c if o is None else o) + "\n")
     print(f"validation {'passed' if ok else 'FAILED'}: TTFT p50 at every level within {TOLERANCE:.0%} "
           f"of the burst model ({sum(r.ok for r in rows)}/{len(rows)} rows met)", file=sys.stderr if args.json else sys.stdout)
     return 0 if ok else 1

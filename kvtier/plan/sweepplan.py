@@ -24,6 +24,15 @@ def session_shape(context: int, block: int, chunk: int, bytes_per_token: int) ->
     return cached, -(-cached // chunk) * chunk * bytes_per_token
 
 
+def step_overhead(args, prefill) -> float:
+    """``--step-overhead-ms``, or the prefill law's per-request constant."""
+    if args.step_overhead_ms is None:
+        return prefill.c
+    if args.step_overhead_ms < 0:
+        raise ConfigError("--step-overhead-ms", f"must be 0 or more, got {args.step_overhead_ms}", "pass e.g. 20")
+    return args.step_overhead_ms / 1000
+
+
 def plan(args) -> dict:
     """The prediction for the flags of ``kvtier plan --sweep``."""
     from kvtier.plan.cli import time_model
@@ -57,12 +66,13 @@ def plan(args) -> dict:
     latency = args.load_latency_ms / 1000 if args.load_latency_ms is not None else io["shared"].latency_s
     if latency < 0:
         raise ConfigError("--load-latency-ms", f"must be 0 or more, got {args.load_latency_ms}", "pass e.g. 40")
+    overhead = step_overhead(args, prefill)
     steps = "batched" if args.engine_steps in (None, "auto") else args.engine_steps
     rows = [concurrency.predict(concurrency.Burst(c, nbytes, concurrency.rate_at(rates, c), latency, engine_s,
-                                                  prefill.c, steps)) for c in levels]
+                                                  overhead, steps)) for c in levels]
     return {"model": model.name, "context": context, "cached_tokens": cached, "bytes_per_session": nbytes,
             "read_rate_from": rate_from, "load_latency_s": latency, "engine_s": engine_s, "engine_s_from": engine_from,
-            "step_overhead_s": min(prefill.c, engine_s), "engine_steps": steps, "levels": rows}
+            "step_overhead_s": min(overhead, engine_s), "engine_steps": steps, "levels": rows}
 
 
 def format_table(p: dict) -> str:

@@ -93,6 +93,11 @@ def test_sweep_prediction_on_the_command_line(kvtier):
     assert p["cached_tokens"] == 1920 and p["engine_steps"] == "batched"
     assert p["levels"][0]["ttft_p50_s"] == pytest.approx(load1 + 0.5)
     assert p["levels"][1]["ttft_p50_s"] == pytest.approx(load4 + 0.5 + 0.02 + 3 * 0.48)
+    # A step's fixed cost paid once for the three suffixes that share the second step.
+    gpu = json.loads(kvtier("plan", "--sweep", "--model", "qwen2.5-0.5b", "--context", "2048", "--concurrency", "4",
+                            "--read-rate", "6.5", "--engine-s", "0.5", "--load-latency-ms", "0",
+                            "--step-overhead-ms", "400", "--json").stdout)
+    assert gpu["levels"][0]["ttft_p50_s"] == pytest.approx(load4 + 0.5 + 0.4 + 3 * 0.1)
     table = kvtier("plan", "--sweep", "--model", "qwen2.5-0.5b", "--context", "2048", "--read-rate", "2GB/s",
                    "--engine-steps", "staggered")
     assert table.returncode == 0 and "steps staggered" in table.stdout and "prefill law" in table.stdout
@@ -104,6 +109,7 @@ def test_sweep_prediction_on_the_command_line(kvtier):
     (["--sweep", "--context", "100"], "--context"),
     (["--sweep", "--engine-s", "-1"], "--engine-s"),
     (["--sweep", "--load-latency-ms", "-5"], "--load-latency-ms"),
+    (["--sweep", "--step-overhead-ms", "-1"], "--step-overhead-ms"),
     (["--sweep", "--engine-steps", "wobbly"], "--engine-steps"),
     (["--sweep", "--prefill", "1,2"], "--prefill"),
     (["--sweep", "trace.jsonl"], "--sweep"),
