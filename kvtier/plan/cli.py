@@ -138,14 +138,15 @@ def register(subparsers) -> None:
     g.add_argument("--step-overhead-ms", type=float, help="an engine step's fixed cost, paid once per step however "
                    "many suffixes it computes (default: the prefill law's constant c; on a GPU, a step's launch cost)")
     g.add_argument("--load-latency-ms", type=float, help="fixed cost of each load beyond its bytes (default "
-                   "--shared-latency-ms: 40)")
+                   "--shared-latency-ms: 40, or as --calibrate fits it)")
 
     g = p.add_argument_group("output")
     g.add_argument("--out", help="write report.md, summary.json and plots here")
     g.add_argument("--json", action="store_true", help="print the summary as JSON")
     g.add_argument("--curve-sample", default="auto", help="fraction of keys the capacity curves follow "
                    "(auto: all up to 50k requests, then fewer; 0: no curves)")
-    g.add_argument("--validate", metavar="RESULTS_DIR", help="replay a kvtier bench resume run and compare")
+    g.add_argument("--validate", metavar="RESULTS_DIR", help="replay a kvtier bench resume run and compare; on a "
+                   "--concurrency sweep run, predict each level's bursts and compare")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=handle)
 
