@@ -180,9 +180,10 @@ def main(args, sweep_json: Path) -> int:
     from kvtier.plan.sweepplan import step_overhead
     from kvtier.plan.validate import calibrate_run
 
-    prefill = None
+    prefill, lat = None, cost.DEFAULT_IO["shared"].latency_s
     if args.calibrate:
-        prefill = calibrate_run(args.calibrate)[0]
+        prefill, io = calibrate_run(args.calibrate)
+        lat = io["shared"].latency_s
         prefill = cost.PrefillModel(prefill.a, prefill.b, prefill.c, f"fitted to {args.calibrate}")
     if args.prefill:
         prefill = parse_prefill(args.prefill)
@@ -191,7 +192,8 @@ def main(args, sweep_json: Path) -> int:
                           "pass the TTFT of a resume whose KV is already in the engine, in seconds")
     if args.load_latency_ms is not None and args.load_latency_ms < 0:
         raise ConfigError("--load-latency-ms", f"must be 0 or more, got {args.load_latency_ms}", "pass e.g. 40")
-    lat = args.load_latency_ms / 1000 if args.load_latency_ms is not None else cost.DEFAULT_IO["shared"].latency_s
+    if args.load_latency_ms is not None:
+        lat = args.load_latency_ms / 1000
     o = step_overhead(args, prefill or cost.PrefillModel()) if args.step_overhead_ms is not None else None
     rows, law, doc = run(sweep_json, prefill, args.read_rate, args.engine_s, args.engine_steps, lat, o)
     if not rows:

@@ -141,3 +141,13 @@ def test_an_unreadable_sweep_run_exits_2(tmp_path, kvtier):
     (tmp_path / "report" / "sweep.json").write_text("{")
     proc = kvtier("plan", "--validate", str(tmp_path))
     assert proc.returncode == 2 and "--validate" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_law_from_another_sweep_run(tmp_path, kvtier):
+    d, other = fakesweep.make_sweep(tmp_path / "run"), fakesweep.make_sweep(tmp_path / "other", seed=1)
+    proc = kvtier("plan", "--validate", str(d), "--calibrate", str(other))
+    assert proc.returncode == 0 and f"fitted to {other}" in proc.stdout, proc.stdout + proc.stderr
+    # --sweep with the law of a sweep run: S is the law's resume of 128 tokens over 1920.
+    p = json.loads(kvtier("plan", "--sweep", "--model", "qwen2.5-0.5b", "--context", "2048", "--calibrate", str(other),
+                          "--read-rate", "6.5", "--json").stdout)
+    assert p["engine_s"] == pytest.approx(fakesweep.ENGINE_S, rel=0.05) and "fitted to" in p["engine_s_from"]
