@@ -176,8 +176,7 @@ def format_rows(rows: list[LevelRow], law: cost.PrefillModel, doc: dict, lat: fl
 
 
 def main(args, sweep_json: Path) -> int:
-    from kvtier.plan.cli import parse_prefill
-    from kvtier.plan.sweepplan import step_overhead
+    from kvtier.plan.flags import parse_prefill, step_overhead
     from kvtier.plan.validate import calibrate_run
 
     prefill, lat = None, cost.DEFAULT_IO["shared"].latency_s

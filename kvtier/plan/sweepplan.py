@@ -24,18 +24,9 @@ def session_shape(context: int, block: int, chunk: int, bytes_per_token: int) ->
     return cached, -(-cached // chunk) * chunk * bytes_per_token
 
 
-def step_overhead(args, prefill) -> float:
-    """``--step-overhead-ms``, or the prefill law's per-request constant."""
-    if args.step_overhead_ms is None:
-        return prefill.c
-    if args.step_overhead_ms < 0:
-        raise ConfigError("--step-overhead-ms", f"must be 0 or more, got {args.step_overhead_ms}", "pass e.g. 20")
-    return args.step_overhead_ms / 1000
-
-
 def plan(args) -> dict:
     """The prediction for the flags of ``kvtier plan --sweep``."""
-    from kvtier.plan.cli import time_model
+    from kvtier.plan.flags import step_overhead, time_model
 
     levels = tuple(args.concurrency or DEFAULT_LEVELS)
     if min(levels) < 1:
