@@ -91,6 +91,7 @@ def _level(runs: list[dict], phase: str, before: str | None) -> dict:
     recs = [rec for r in runs for rec in r["records"] if rec["phase"] == phase]
     ttft = [rec["ttft_s"] for rec in recs]
     p50s, tok_s, req_s, read_gbps, hits_kv, hits_vllm, read_bytes = [], [], [], [], 0.0, 0.0, 0.0
+    failed_blocks = stopped = 0.0
     for r in runs:
         mine = [rec for rec in r["records"] if rec["phase"] == phase]
         if not mine:
@@ -111,6 +112,8 @@ def _level(runs: list[dict], phase: str, before: str | None) -> dict:
         if nbytes and busy > 0:
             read_gbps.append(nbytes / busy / 1e9)
         hits_kv += _delta(kv_a, kv_b, "kvtier_vllm_external_hit_tokens_total")
+        failed_blocks += _delta(kv_a, kv_b, "kvtier_vllm_load_failed_blocks_total")
+        stopped += _delta(kv_a, kv_b, "kvtier_vllm_stopped_loads_total")
         hits_vllm += _delta(after.get("vllm", {}), prev.get("vllm", {}), "vllm:external_prefix_cache_hits")
     med = (lambda xs: statistics.median(xs) if xs else None)
     return {
@@ -121,6 +124,9 @@ def _level(runs: list[dict], phase: str, before: str | None) -> dict:
         "read_gbps": med(read_gbps), "read_bytes_per_request": read_bytes / len(recs) if recs else 0.0,
         "hit_tokens": hits_kv, "vllm_external_prefix_cache_hits": hits_vllm,
         "cached_tokens": sum(rec["cached_tokens"] for rec in recs),
+        # Loads cut short: stopped past their budget, or blocks that failed
+        # to load; either way vLLM recomputed what was missing.
+        "stopped_loads": stopped, "failed_blocks": failed_blocks,
     }
 
 
@@ -247,6 +253,9 @@ def format_table(s: dict) -> str:
                     f"{_n(lv['read_gbps'], '.2f'):>10}{_n(lv.get('read_vs_fio'), '.2f'):>7}"
                     f"{_n(fl['p50_s'] if fl else None, '.2f'):>10}{_n(lv.get('over_floor'), '.2f'):>8}"
                     f"{lv['hit_tokens']:>9.0f}{lv['vllm_external_prefix_cache_hits']:>9.0f}")
+                if lv["stopped_loads"] or lv["failed_blocks"]:
+                    lines.append(f"{'':<22}{c:>9}  loads stopped: {lv['stopped_loads']:.0f}, blocks recomputed "
+                                 f"after a load: {lv['failed_blocks']:.0f}")
             if by[n]["engine_s"] is not None:
                 lines.append(f"{'':<22}engine's own resume (KV already in the engine): {by[n]['engine_s']:.3f} s")
     if s.get("unavailable"):

@@ -160,8 +160,9 @@ class KVTierConnector(KVConnectorBase_V1):
             self._worker.wait_for_save(self._get_connector_metadata())
 
     def get_finished(self, finished_req_ids: set[str]):
-        idle = self.has_connector_metadata() and self._get_connector_metadata().idle
-        return self._worker.get_finished(finished_req_ids, idle=idle)
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        return self._worker.get_finished(finished_req_ids, idle=bool(meta and meta.idle),
+                                         release=meta.release if meta else 0)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors()

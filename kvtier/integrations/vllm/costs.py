@@ -37,8 +37,12 @@ of the request either way (a loaded request still computes its suffix
 there), so what differs is the tier's queue and read against the
 request's own prefill.
 
-A rate not known is trusted (the first load measures it); every load is
-bounded instead (``budget``): the worker stops reading at the budget,
+A rate not known is measured before any request depends on it where it
+can be: once the engine saved a chunk, the scheduler reads it back from
+each persistent tier whose rate is unknown, in the background
+(``start_calibration``), so that the resumes after an engine's first
+prefills know what their tiers cost. Until then a rate not known is
+trusted; every load is bounded instead (``budget``): the worker stops reading at the budget,
 keeps the chunks that arrived and reports the rest failed, and vLLM
 recomputes it. A load stopped before anything arrived teaches the rate
 of one token in all that time, so the tier is ruled out at once. A tier
@@ -74,6 +78,14 @@ CUT_FRACTION = 0.1
 HEALTHY_MULTIPLE = 4.0
 
 
+# Steps of at most this many tokens are decode work: their time is the
+# engine's fixed cost of a step (``pace_loads``).
+DECODE_STEP_TOKENS = 16
+# Loads are paced when a loaded request's own compute exceeds this many
+# steps' fixed cost (``pace_loads``).
+PACE_MARGIN = 2.0
+
+
 @dataclass
 class Rate:
     """Seconds per token, a running mean of measurements (None: unknown)."""
@@ -95,6 +107,7 @@ class LoadCosts:
     min_step_tokens: int  # steps with fewer scheduled tokens say nothing about prefill
     probe_interval_s: float = 30.0
     prefill: Rate = field(default_factory=Rate)
+    step: Rate = field(default_factory=Rate)  # seconds of a step of decode work (per step, not per token)
     tiers: dict[str, Rate] = field(default_factory=dict)
     clock: Callable[[], float] = time.monotonic
     # Steps scheduled whose output has not come back: (when built, tokens).
@@ -126,6 +139,8 @@ class LoadCosts:
         start, self._last_done = max(built, self._last_done), now
         if tokens >= self.min_step_tokens:
             self.prefill.observe(now - start, tokens, now)
+        elif 0 < tokens <= DECODE_STEP_TOKENS:
+            self.step.observe(now - start, 1, now)
 
     def loaded(self, tier: str, seconds: float, tokens: int) -> None:
         """A load from ``tier`` (its slowest) read ``tokens`` in ``seconds``."""
@@ -209,6 +224,43 @@ class LoadCosts:
         expected = tokens * rate.value if rate is not None and rate.value is not None else 0.0
         allowance = CUT_FRACTION * tokens * prefill
         return max(allowance, min(HEALTHY_MULTIPLE * expected, expected + allowance))
+
+    def pace_loads(self, suffix_tokens: int) -> bool:
+        """Whether to hand loaded requests to the engine one per step rather
+        than all at once, when each must still compute ``suffix_tokens``.
+
+        The engine computes every request handed to it in one step and all
+        their first tokens come at that step's end: with c loads ending
+        together, every one of them waits for c suffixes. One per step, the
+        k-th waits for k suffixes and a step's fixed cost each: the median
+        halves and the last is no later, as long as a suffix costs more than
+        a step's fixed cost (an engine whose step time grows with its
+        tokens, as on CPUs). The last one pays a step's fixed cost per
+        request before it, so pacing waits for a suffix to cost
+        ``PACE_MARGIN`` steps: the median then falls by a third or more and
+        the last rises by at most half a suffix's share. Where a step's
+        fixed cost dominates (GPUs: computing eight suffixes together costs
+        about what one does), all at once is better, and stays."""
+        prefill, step = self.prefill.value, self.step.value
+        return prefill is not None and step is not None and suffix_tokens * prefill > PACE_MARGIN * step
+
+    def measured(self, tier: str) -> bool:
+        """Whether ``tier``'s load rate is known (host memory needs none)."""
+        rate = self.tiers.get(tier)
+        return tier in self.memory_tiers or (rate is not None and rate.value is not None)
+
+    def start_calibration(self, tier: str) -> bool:
+        """Whether to measure ``tier``, whose rate is not known, now: one
+        probe at a time (one that never reports lapses after
+        ``probe_interval_s``). True marks it started."""
+        now = self.clock()
+        if self.measured(tier):
+            return False
+        probe = self._probing.get(tier)
+        if probe is not None and now - probe < self.probe_interval_s:
+            return False
+        self._probing[tier] = now
+        return True
 
     def start_probe(self, tier: str) -> bool:
         """Whether to re-measure ``tier`` now (one probe at a time, each

@@ -50,6 +50,10 @@ class KVTierMetadata(KVConnectorMetadata):
     # The step computes no token: the engine only waits (for our loads among
     # others), so the worker may block briefly for them instead of spinning.
     idle: bool = False
+    # At most this many finished asynchronous loads may be handed to the
+    # engine this step, oldest first (0: all): the scheduler paces them
+    # when each loaded request's own compute outweighs a step (scheduler.py).
+    release: int = 0
 
 
 @dataclass

@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 # A lookup answered from memory or the disk index takes microseconds: wait
 # this long before deferring the request by a scheduler step.
 _LOOKUP_GRACE_S = 0.005
+# How often a read-back probe looks for the chunk a save is writing.
+_READ_BACK_POLL_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,7 @@ class KVTierScheduler:
         self._pending_loads: list[LoadJob] = []
         self._probes: list[tuple[str, Future]] = []  # background re-measurements of slow tiers
         self._warned_unready = False
+        self._persistent = frozenset(view.kinds) - frozenset(view.host_memory)  # tiers that do I/O
         # While a load is in flight the engine core waits for its workers
         # without spinning (enginewait.py): the load needs the cores.
         self._quiet = QuietWhileLoading(enabled=not settings.spin_during_loads)
@@ -182,8 +185,9 @@ class KVTierScheduler:
                     cfg = self.settings.store
                     self._probes.append((tier, self._prober.submit(
                         LOAD, self.view.probe, tier, key, cfg.lookup_timeout_s, cfg.load_timeout_s)))
-            if self._all_in_memory(st.root, tokens):
-                # Answered from host memory alone: no I/O, no reason to defer.
+            if self._all_in_memory(st.root, tokens) or self._persistent <= skip:
+                # Answered from host memory alone (every tier that does I/O
+                # is left out, or every chunk is in memory): no reason to defer.
                 st.lookup = Future()
                 st.lookup.set_result(self._lookup(st.root, tokens, usable, skip))
             else:
@@ -236,6 +240,19 @@ class KVTierScheduler:
             self.metrics.recomputed_hit_tokens.labels(stopped).inc(hit.tokens - end)
         st.claim = (st.lookup, lo, end)
         return end
+
+    def _release(self) -> int:
+        """How many finished loads the workers may hand to the engine this
+        step (0: all): one while two or more loads are in flight and the
+        engine would take longer to compute their suffixes than a step's
+        fixed cost (``LoadCosts.pace_loads``)."""
+        if self.settings.decision.mode != "auto":
+            return 0
+        suffixes = sorted(st.request.num_tokens - st.claim[2] for st in self._reqs.values()
+                          if st.loading_blocks is not None and not st.sync_load and st.claim is not None)
+        if len(suffixes) < 2:
+            return 0
+        return 1 if self.costs.pace_loads(suffixes[len(suffixes) // 2]) else 0
 
     def _queued_tokens(self) -> dict[str, int]:
         """Per tier, tokens of the asynchronous loads claimed there and not
@@ -380,7 +397,7 @@ class KVTierScheduler:
     def build_connector_meta(self, scheduler_output) -> KVTierMetadata:
         scheduled_tokens = getattr(scheduler_output, "total_num_scheduled_tokens", 1)
         self.costs.step_scheduled(scheduled_tokens)
-        meta = KVTierMetadata(loads=self._pending_loads, idle=not scheduled_tokens)
+        meta = KVTierMetadata(loads=self._pending_loads, idle=not scheduled_tokens, release=self._release())
         self._pending_loads = []
         if meta.loads:
             self._quiet.loading(True)
@@ -431,6 +448,29 @@ class KVTierScheduler:
         chunks = [c for c in chunks if len(c.block_ids) * bs == c.key.num_tokens]
         if chunks:
             meta.saves.append(SaveJob(req.request_id, chunks))
+            self._calibrate(chunks[0].key)
+
+    def _calibrate(self, key: ChunkKey) -> None:
+        """Measure each persistent tier whose rate is not known on ``key``,
+        a chunk just saved, once it is stored there: in the background, so
+        that the resumes after this prefill know what loading costs."""
+        if self.settings.decision.mode != "auto":
+            return
+        for tier in sorted(self._persistent):
+            if self.costs.start_calibration(tier):
+                self._probes.append((tier, self._prober.submit(LOAD, self._read_back, tier, key)))
+
+    def _read_back(self, tier: str, key: ChunkKey) -> tuple[float, int] | None:
+        """Probe ``tier`` with ``key`` once the save reached it (probe
+        thread): the write-through is asynchronous, so look until it is
+        there, for as long as a probe may take."""
+        cfg = self.settings.store
+        deadline = time.monotonic() + self.settings.decision.probe_interval_s
+        while True:
+            got = self.view.probe(tier, key, cfg.lookup_timeout_s, cfg.load_timeout_s)
+            if got is not None or time.monotonic() > deadline:
+                return got
+            time.sleep(_READ_BACK_POLL_S)
 
     def _probed(self) -> None:
         """Feed finished background probes to the cost model (scheduler thread)."""
@@ -443,7 +483,11 @@ class KVTierScheduler:
                 self.costs.load_ended(tier)
                 continue
             if fut.result() is None:
-                continue  # the tier did not hold that chunk: the probe lapses, a later one tries again
+                # The tier did not hold that chunk: a later probe tries again
+                # (a read-back after the next save; a re-measure once due).
+                if not self.costs.measured(tier):
+                    self.costs.load_ended(tier)
+                continue
             seconds, tokens = fut.result()
             self._measured(tier, seconds, max(tokens, 1))
 

@@ -26,6 +26,7 @@ recomputes the union for all ranks.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -320,7 +321,8 @@ class KVTierWorker:
             log.info("kvtier: I/O threads run on CPUs %s (this worker's thread is pinned to %s)",
                      cpu_list(cpus), cpu_list(inherited))
 
-    def get_finished(self, finished_req_ids: set[str], idle: bool = False) -> tuple[set[str] | None, set[str] | None]:
+    def get_finished(self, finished_req_ids: set[str], idle: bool = False,
+                     release: int = 0) -> tuple[set[str] | None, set[str] | None]:
         """Copy the chunks that arrived since the last step into their engine
         blocks, here on the engine's thread (a few memcpys per chunk, which a
         loader thread would do far slower, waiting for the GIL between each),
@@ -328,7 +330,12 @@ class KVTierWorker:
 
         ``idle``: this step computed nothing, so waiting here delays no other
         request; wait (GIL released) until a chunk arrives, at most
-        ``_IDLE_WAIT_S``."""
+        ``_IDLE_WAIT_S``.
+
+        ``release``: report at most this many loads (0: all), in the order
+        they were started, a finished load waiting behind an older one that
+        is not (every rank then hands vLLM the same requests, whatever order
+        its own reads ended in); the others are reported in later steps."""
         with self._lock:
             self._stop_overdue(time.perf_counter())
             waiting = idle and bool(self._inflight) and not any(
@@ -346,16 +353,22 @@ class KVTierWorker:
         t0 = time.perf_counter()
         finished: set[str] = set()
         failed: set[int] = set()
+        done = []
         for flight, objs, read_done in batches:
             flight.copy_in(self, objs)
             # Everything that will arrive has, and is in the engine's blocks
-            # (device copies completed): report it.
+            # (device copies completed): it may be reported.
             if read_done and flight.copies_done(self):
-                failed |= flight.missing_blocks()
-                finished.add(flight.job.req_id)
-                self._reads[flight.job.req_id] = (flight.share, flight.loaded_tokens(self.settings.block_size))
-                if flight.stopped:
-                    self._stopped[flight.job.req_id] = flight.stopped
+                done.append(flight)
+        if release:
+            ready = {id(f) for f in done}
+            done = list(itertools.takewhile(lambda f: id(f) in ready, self._inflight.values()))[:release]
+        for flight in done:
+            failed |= flight.missing_blocks()
+            finished.add(flight.job.req_id)
+            self._reads[flight.job.req_id] = (flight.share, flight.loaded_tokens(self.settings.block_size))
+            if flight.stopped:
+                self._stopped[flight.job.req_id] = flight.stopped
         self.metrics.scatter_seconds.observe(time.perf_counter() - t0)
         with self._lock:
             for rid in finished:

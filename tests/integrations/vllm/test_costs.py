@@ -384,3 +384,98 @@ def test_spin_during_loads_is_a_connector_key():
     with pytest.raises(ConfigError) as err:
         parse_connector_keys({"spin_during_loads": "sometimes"}, ["shared"])
     assert err.value.key == "vllm.spin_during_loads" and "true or false" in err.value.fix
+
+
+def test_a_saved_chunk_is_read_back_to_measure_a_tier_before_any_resume(tmp_path):
+    """A fresh engine knows no tier's rate. Its first save starts a read-back
+    probe on each persistent tier not measured: the probe waits until the
+    write-through stored the chunk, reads it, and the rate is known before
+    any request would have to load from the tier (only one probe at a time)."""
+    from kvtier.codec import encode
+    from tests.integrations.vllm.test_scheduler import output
+
+    s, store = _disk_scheduler(tmp_path)
+    try:
+        req = request("a", TOK[:22])
+        assert ask(s, req) == (0, False)
+        s.update_state_after_alloc(req, Blocks([]), 0)
+        new = SimpleNamespace(req_id="a", block_ids=([5, 6, 7, 8, 9, 10],), num_computed_tokens=0)
+        (job,) = s.build_connector_meta(output([new], scheduled={"a": 22})).saves
+        assert [t for t, _ in s._probes] == ["disk"]
+        s.build_connector_meta(output([new], scheduled={"a": 22}))  # another save: still one probe
+        assert len(s._probes) == 1
+        time.sleep(0.25)  # the probe looks for the chunk, not stored yet
+        assert not s._probes[0][1].done()
+        key = job.chunks[0].key  # the worker's write-through lands
+        store.put([encode(key, "float32", (1, key.num_tokens // BS, 1, 2 * BS, 4), bytes(key.num_tokens * 32))])
+        store.flush()
+        s._probes[0][1].result(5)
+        assert not s.costs.measured("disk")
+        s.update_connector_output(SimpleNamespace(finished_recving=None, invalid_block_ids=set(), failed_recving=set()))
+        assert s.costs.measured("disk") and s.costs.tiers["disk"].value > 0
+        assert not s._probes
+    finally:
+        s.close()
+        store.close()
+
+
+def test_a_request_whose_every_tier_is_ruled_out_is_answered_at_once(tmp_path):
+    """With its only persistent tier ruled out there is nothing to look up
+    but host memory: the answer comes within the call, never from the lookup
+    pool (where it would cost the request a deferred engine step)."""
+    s, store = _disk_scheduler(tmp_path)
+    try:
+        store_chunks(s, TOK, [C, C])
+        store.flush()
+        s.costs.prefill.value = 0.001
+        s.costs.loaded("disk", seconds=1.6, tokens=16)  # 100 ms per token: ruled out
+        s._lookups.submit = lambda *a, **k: pytest.fail("a lookup with nothing to ask went to the lookup pool")
+        deferred = s.metrics.lookup_deferred._value.get()
+        assert s.get_num_new_matched_tokens(request("a", TOK[:20]), 0) == (0, False)
+        assert s.metrics.lookup_deferred._value.get() == deferred
+    finally:
+        s.close()
+        store.close()
+
+
+def test_loads_are_paced_where_a_suffix_costs_more_than_a_step():
+    c, clock = costs()
+    assert not c.pace_loads(128)  # nothing measured
+    c.step_scheduled(1024)
+    clock.now += 1.024
+    c.step_done()  # prefill: 1 ms a token
+    c.step_scheduled(8)
+    clock.now += 0.05
+    c.step_done()  # a decode step of 8 requests: 50 ms
+    c.step_scheduled(128)
+    clock.now += 5.0
+    c.step_done()  # neither: a step of 128 tokens says nothing of either rate
+    assert c.prefill.value == pytest.approx(0.001) and c.step.value == pytest.approx(0.05)
+    assert c.pace_loads(128)  # a suffix of 128 tokens: 128 ms, more than two steps
+    assert not c.pace_loads(64)  # 64 ms: under two steps, all at once is better
+    # A GPU-like engine: a step costs 10 ms whatever it holds, a token 20 us.
+    g, _ = costs()
+    g.prefill.value, g.step.value = 20e-6, 0.010
+    assert not g.pace_loads(128)
+
+
+def test_the_scheduler_paces_loads_in_flight_together(tmp_path):
+    """Two requests loading at once, each with 4 tokens left to compute at
+    1 ms a token against a 1.5 ms step: one is handed over per step. With
+    one load in flight, or a step costing more than half a suffix, all at
+    once."""
+    s, store = _disk_scheduler(tmp_path)
+    try:
+        store_chunks(s, TOK, [C, C])
+        store.flush()
+        s.costs.prefill.value, s.costs.step.value = 0.001, 0.0015
+        s.costs.loaded("disk", seconds=0.00001, tokens=16)
+        assert _claim(s, "a") == 16  # 20 tokens, 16 claimed: 4 to compute
+        assert s.build_connector_meta(output()).release == 0  # one load
+        assert _claim(s, "b") == 16
+        assert s.build_connector_meta(output()).release == 1
+        s.costs.step.value = 0.010
+        assert s.build_connector_meta(output()).release == 0
+    finally:
+        s.close()
+        store.close()

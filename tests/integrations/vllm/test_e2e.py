@@ -169,9 +169,10 @@ def _unmount_slow(c: Ctx) -> None:
 
 def _throttled() -> RunDef:
     """A fresh process on a shared directory that reads slower than the
-    engine computes: S@bob (a miss) lets kvtier measure prefill; A's load,
-    the tier's rate unknown, stops at its budget and measures the tier, and
-    from then on kvtier leaves B and C, which it holds, to the engine."""
+    engine computes: S@bob (a miss) lets kvtier measure prefill, and its
+    save a read-back of the tier; A's load, if the tier's rate is still
+    unknown, stops at its budget; from then on kvtier leaves B and C, which
+    it holds, to the engine."""
     return RunDef(lambda c: {
         "model": str(c.models["llama"]),
         "kvtier": {"tiers": [tier_spec("shared", c.dir("slow-mnt"))], "load_decision": "auto", "probe_interval_s": 600},
@@ -498,28 +499,35 @@ def test_vllm_external_hits_equal_kvtier_hit_tokens(runs, name):
 @engine_runs("llama-baseline", "llama-throttled")
 def test_a_tier_slower_than_prefill_is_left_to_the_engine(runs):
     """kvtier holds A, B and C on a shared mount that reads at 1 MB/s
-    (faultfs). A's load, the tier's rate not known yet, is stopped at its
+    (faultfs). S@bob's save starts a read-back of its chunk that measures
+    the tier in the background; A comes before or after that measure. If
+    before, A's load (the tier's rate not known yet) is stopped at its
     budget (a tenth of recomputing A's 384 tokens) and the engine computes
-    the rest: A costs about what recomputing costs, and the stop teaches
-    kvtier the tier is slower, so B and C are left to the engine without
-    asking it; every output token-exact."""
+    the rest; if after, A is left to the engine at once. Either way A costs
+    about what recomputing costs, B and C are left to the engine without
+    asking the tier, and every output is token-exact."""
     run = runs["llama-throttled"]
     assert_same_output(run, runs["llama-baseline"])
     got = {p: run.only(p)["num_cached_tokens"] for p in ("S@bob", "B", "C")}
     assert got == {"S@bob": 0, "B": 0, "C": 0}, f"{run.where()}: {run.out['kvtier_metrics']}"
     metrics = f"{run.where()}: {run.out['kvtier_metrics']}"
-    assert run.kvtier_metric("kvtier_vllm_stopped_loads_total", tier="shared", reason="budget") == 1, metrics
-    assert run.kvtier_metric("kvtier_vllm_load_failed_blocks_total") == 3, metrics  # A's 384 tokens, recomputed
-    # What A waited for its load, from the step that sent it to the step
-    # that reported it stopped: reading A's two chunk objects (512 KiB) at
-    # 1 MB/s would take over 0.5 s; its budget is a tenth of recomputing
-    # 384 tokens (well under a millisecond here), noticed within a few
-    # engine steps. (The runner's wall times include each new prompt
-    # shape's first run, up to seconds on a busy machine: no bound there.)
-    assert run.kvtier_metric("kvtier_vllm_load_wait_seconds_count") == 1, metrics
-    assert run.kvtier_metric("kvtier_vllm_load_wait_seconds_sum") < 0.25, metrics
-    # B and C: the tier, known to be slower than prefill, is not even asked.
-    assert run.kvtier_metric("kvtier_vllm_recompute_decisions_total", tier="shared", reason="not_asked") == 2, metrics
+    stopped = run.kvtier_metric("kvtier_vllm_stopped_loads_total", tier="shared", reason="budget")
+    assert stopped in (0, 1), metrics
+    if stopped:
+        assert run.kvtier_metric("kvtier_vllm_load_failed_blocks_total") == 3, metrics  # A's 384 tokens, recomputed
+        # What A waited for its load, from the step that sent it to the step
+        # that reported it stopped: reading A's two chunk objects (512 KiB) at
+        # 1 MB/s would take over 0.5 s; its budget is a tenth of recomputing
+        # 384 tokens (well under a millisecond here), noticed within a few
+        # engine steps. (The runner's wall times include each new prompt
+        # shape's first run, up to seconds on a busy machine: no bound there.)
+        assert run.kvtier_metric("kvtier_vllm_load_wait_seconds_count") == 1, metrics
+        assert run.kvtier_metric("kvtier_vllm_load_wait_seconds_sum") < 0.25, metrics
+    else:
+        assert run.kvtier_metric("kvtier_vllm_load_wait_seconds_count") == 0, metrics
+    # The tier, known to be slower than prefill, is not even asked.
+    assert run.kvtier_metric("kvtier_vllm_recompute_decisions_total", tier="shared",
+                             reason="not_asked") == 3 - stopped, metrics
 
 
 @engine_runs("copy-b", "copy-changed", "llama-baseline")

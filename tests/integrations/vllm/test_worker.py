@@ -276,3 +276,44 @@ def test_io_threads_leave_the_engines_pin_on_the_cpu_backend_only():
     assert io_thread_cpus("auto", kv_on_cpu=False) is None  # a GPU worker keeps its NUMA binding
     assert io_thread_cpus("inherit", kv_on_cpu=True) is None
     assert io_thread_cpus(frozenset({0}), kv_on_cpu=False) == {0}
+
+
+def test_paced_loads_are_handed_to_the_engine_one_per_step_in_the_order_they_started(rig):
+    """With ``release`` 1 each step reports one finished load, the oldest
+    first: a younger load that finished waits behind an older one still
+    reading (every rank then reports the same request in the same order)."""
+    store, worker, caches = rig
+    a, ka = _stored_job(store, worker, "a", 21, 1, first_block=1)
+    b, kb = _stored_job(store, worker, "b", 22, 1, first_block=2)
+    c, kc = _stored_job(store, worker, "c", 23, 1, first_block=3)
+    gate = threading.Event()
+    hold_reads(store.tier("disk"), ka + kb + kc, 0, gate)  # a's read held; b and c finish once the gate opens
+    worker.start_load_kv(KVTierMetadata(loads=[a, b, c]))
+    gate.set()
+    order: list[set[str]] = []
+    deadline = time.monotonic() + 10
+    while sum(len(s) for s in order) < 3:
+        assert time.monotonic() < deadline, order
+        _, finished = worker.get_finished(set(), idle=True, release=1)
+        if finished:
+            order.append(finished)
+    assert order == [{"a"}, {"b"}, {"c"}]
+    assert all(_block_holds(caches, block, 1) for block in (1, 2, 3))  # each job's one chunk holds 1
+    assert worker.get_block_ids_with_load_errors() == set()
+
+
+def test_a_younger_load_that_finished_waits_for_the_oldest_when_paced(rig):
+    """b is read while a's read is held: paced, neither is handed over
+    until a is in; unpaced, b would go first."""
+    store, worker, caches = rig
+    a, ka = _stored_job(store, worker, "a", 24, 1, first_block=1)
+    b, kb = _stored_job(store, worker, "b", 25, 1, first_block=2)
+    gate = threading.Event()
+    hold_reads(store.tier("disk"), kb + ka, 1, gate)  # a's read held, b's not
+    worker.start_load_kv(KVTierMetadata(loads=[a, b]))
+    time.sleep(0.3)
+    for _ in range(5):
+        _, finished = worker.get_finished(set(), idle=True, release=1)
+        assert not finished  # b may be read, but a is not: nothing is handed over
+    gate.set()
+    _finish(worker, {"a", "b"})
