@@ -206,6 +206,9 @@ def _resume_parser(bsub) -> None:
                     "resume together, cold, against fio at as many streams, a modelled local drive "
                     "(kvtier-local-drive), recompute and vLLM's prefix cache alone; prints a table per level "
                     "and writes report/sweep-*.png")
+    br.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                    help="the engines' tensor_parallel_size (default 1); on vLLM's CPU backend each rank gets a "
+                    "CPU of its own, and N > 1 needs vLLM's multiprocess mode: name configurations NAME+mp")
     br.add_argument("--sweep-answer-tokens", type=int, default=16,
                     help="w1 sweep: tokens each resumed session answers (default 16)")
     br.add_argument("--local-ratio", type=argtypes.ratio, default=6.78 / 10.3, metavar="LOCAL:SHARED",
@@ -253,6 +256,11 @@ def cmd_bench_resume(args: argparse.Namespace) -> int:
                           "again must have been evicted by another one", "pass --resumes 1, or --sessions 2 or more")
     if args.instances < 1:
         raise ConfigError("--instances", f"must be at least 1, got {args.instances}", "pass --instances 3, say")
+    if args.tensor_parallel < 1:
+        raise ConfigError("--tensor-parallel", f"must be at least 1, got {args.tensor_parallel}", "pass 1 or 2")
+    if args.tensor_parallel > 1 and any(not c.endswith(resume.MP) for c in args.configs or ("",)):
+        raise ConfigError("--tensor-parallel", "ranks run in processes of their own: every configuration must "
+                          "run in vLLM's multiprocess mode", "name them NAME+mp, e.g. --configs kvtier-shared+mp")
     levels = args.concurrency or ()
     if any(c < 1 for c in levels):
         raise ConfigError("--concurrency", f"must be positive, got {','.join(map(str, levels))}", "pass e.g. 1,8,16")
@@ -273,7 +281,7 @@ def cmd_bench_resume(args: argparse.Namespace) -> int:
         instances=args.instances, repeats=args.repeats, rounds=args.rounds, warmup=args.warmup, fio=not args.no_fio, vocab=args.vocab, seed=args.seed,
         throttle_bps=args.throttle, load_decision=args.load_decision,
         concurrency=tuple(sorted(set(levels))) if args.workload == "w1" else (),
-        answer_tokens=args.sweep_answer_tokens, local_ratio=args.local_ratio,
+        answer_tokens=args.sweep_answer_tokens, local_ratio=args.local_ratio, tensor_parallel=args.tensor_parallel,
     )
     if args.endpoint:
         summary = resume.run_endpoints(cfg, args.endpoint, args.routing, args.label,

@@ -149,6 +149,7 @@ class ResumeConfig:
     concurrency: tuple[int, ...] = ()      # W1: sessions returning at once, one burst per level (a sweep)
     answer_tokens: int = 16                # sweep: tokens each resumed session answers
     local_ratio: float = 6.78 / 10.3       # sweep: kvtier-local-drive's read rate over the device's
+    tensor_parallel: int = 1               # the engines' tensor_parallel_size (a CPU each)
 
     @property
     def sweep(self) -> bool:
@@ -199,6 +200,8 @@ def _engine(cfg: ResumeConfig, workload: wl.Workload, name: str) -> dict:
         "kv_cache_memory_bytes": 4 << 30,
         "enable_prefix_caching": name != "recompute",
     }
+    if cfg.tensor_parallel > 1:
+        engine["tensor_parallel_size"] = cfg.tensor_parallel
     if cfg.dummy_weights:
         engine.update(load_format="dummy", dtype=resolve_dtype(cfg.dtype))
     return engine
@@ -414,6 +417,9 @@ def _run_config(cfg: ResumeConfig, name: str, label: str, workload: wl.Workload,
             if k > 1:
                 # Instances share the host's CPUs in turn; unpinned OpenMP teams thrash.
                 env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpus[i % len(cpus)])
+            elif cfg.tensor_parallel > 1:
+                # One CPU per rank, as vLLM's CPU backend binds them.
+                env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(cpus[r % len(cpus)]) for r in range(cfg.tensor_parallel))
             engine_log = logs / f"{cfg.workload}-{name}-{label}-{f'r{rnd}' if rnd >= 0 else 'warmup'}-i{i}.log"
             f = open(engine_log, "w")
             # Under a throttle, the engine (and every process it starts)
