@@ -40,6 +40,8 @@ from kvtier.bench.resume_report import pct
 BARS = {
     "over_floor": 1.2,            # kvtier-shared TTFT p50 / floor p50 at the largest level, at most
     "throughput_vs_recompute": 5.0,  # kvtier-shared output tokens/s / recompute's at the largest level, at least
+    "throttled_p50": 1.05,        # kvtier on storage slower than prefill / recompute, TTFT p50, at most
+    "throttled_p99": 1.2,         # and p99, at most
 }
 FIO_DEPTH = 8
 
@@ -203,6 +205,15 @@ def _checks(s: dict) -> dict:
             out[f"{case}: local drive over shared, TTFT p50 at {top} (floor predicts {predicted:.2f})"] = {
                 "value": local["ttft_p50_s"] / shared["ttft_p50_s"], "predicted": predicted, "bar": None,
                 "met": local["ttft_p50_s"] >= shared["ttft_p50_s"]}
+        slow = by.get("kvtier-throttled", {}).get("levels", {})
+        for c, lv in slow.items():
+            base = by.get("recompute", {}).get("levels", {}).get(c)
+            if not base:
+                continue
+            for q, bar in (("p50", BARS["throttled_p50"]), ("p99", BARS["throttled_p99"])):
+                x = lv[f"ttft_{q}_s"] / base[f"ttft_{q}_s"]
+                out[f"{case}: kvtier-throttled TTFT {q} over recompute's at {c}"] = {
+                    "value": x, "bar": bar, "met": x <= bar}
         for name, v in by.items():
             bad = [c for c, lv in v["levels"].items() if lv["hit_tokens"] != lv["vllm_external_prefix_cache_hits"]]
             if name.startswith("kvtier"):

@@ -428,7 +428,7 @@ class KVTierScheduler:
     def _plan_saves(self, st: _Req, computed: int, meta: KVTierMetadata) -> None:
         """Save every chunk whose KV is complete after this step: full chunks
         as they fill, and at the end of the prompt its whole-block tail."""
-        if not cacheable(st.request):
+        if not cacheable(st.request) or self._nowhere_to_save():
             return
         req, C, bs = st.request, self.chunk, self.bs
         whole = min(computed, len(req.all_token_ids)) // bs * bs
@@ -449,6 +449,15 @@ class KVTierScheduler:
         if chunks:
             meta.saves.append(SaveJob(req.request_id, chunks))
             self._calibrate(chunks[0].key)
+
+    def _nowhere_to_save(self) -> bool:
+        """No host memory and every persistent tier ruled out (slower to read
+        than the engine computes): what would be saved could not be loaded
+        with profit until a tier recovers, and the writes would only add to
+        the load of a tier already too slow. Saves resume once a probe finds
+        a tier fast again."""
+        return (self.settings.decision.mode == "auto" and not self.view.host_memory
+                and bool(self._persistent) and self._persistent <= self.costs.ruled_out())
 
     def _calibrate(self, key: ChunkKey) -> None:
         """Measure each persistent tier whose rate is not known on ``key``,

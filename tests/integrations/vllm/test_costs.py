@@ -483,3 +483,25 @@ def test_the_scheduler_paces_loads_in_flight_together(tmp_path):
     finally:
         s.close()
         store.close()
+
+
+def test_nothing_is_saved_while_every_tier_is_too_slow_to_load_from(tmp_path):
+    """The only tier is ruled out and there is no host memory: a request's
+    chunks are not written to a tier that cannot serve them with profit
+    (the writes would only load it further); once it is fast again they are."""
+    s, store = _disk_scheduler(tmp_path)
+    try:
+        s.costs.prefill.value = 0.001
+        s.costs.loaded("disk", seconds=1.6, tokens=16)  # ruled out
+        req = request("a", TOK[:22])
+        assert ask(s, req) == (0, False)
+        s.update_state_after_alloc(req, Blocks([]), 0)
+        new = SimpleNamespace(req_id="a", block_ids=([5, 6, 7, 8, 9, 10],), num_computed_tokens=0)
+        assert s.build_connector_meta(output([new], scheduled={"a": 22})).saves == []
+        s.costs.tiers["disk"].value = 0.00001  # recovered
+        cached = SimpleNamespace(req_ids=["a"], new_block_ids=[None], num_computed_tokens=[22], resumed_req_ids=set())
+        (job,) = s.build_connector_meta(output(cached=cached, scheduled={"a": 0})).saves
+        assert [c.key.num_tokens for c in job.chunks] == [C, C, 4]
+    finally:
+        s.close()
+        store.close()
