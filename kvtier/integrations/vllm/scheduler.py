@@ -34,6 +34,7 @@ from kvtier.integrations.vllm.costs import LoadCosts
 from kvtier.integrations.vllm.eligibility import cacheable, must_compute_prompt
 from kvtier.integrations.vllm.enginewait import QuietWhileLoading
 from kvtier.integrations.vllm.group import GroupView
+from kvtier.integrations.vllm.lookup import Hit, all_in_memory, longest_prefix, tiers_in
 from kvtier.integrations.vllm.metadata import ChunkIO, KVTierMetadata, KVTierWorkerMeta, LoadJob, SaveJob, merge_reads
 from kvtier.integrations.vllm.metrics import ConnectorMetrics
 from kvtier.integrations.vllm.settings import Settings
@@ -46,14 +47,6 @@ log = logging.getLogger(__name__)
 _LOOKUP_GRACE_S = 0.005
 # How often a read-back probe looks for the chunk a save is writing.
 _READ_BACK_POLL_S = 0.1
-
-
-@dataclass(frozen=True)
-class _Hit:
-    tokens: int
-    keys: list[ChunkKey]  # keys of the hit chunks (the last may be partial)
-    tiers: list[str]  # per hit chunk: the slowest tier holding one of its shards
-    sources: list[int] = field(default_factory=list)  # per hit chunk: TP size of its shards (0: ours)
 
 
 @dataclass
@@ -80,7 +73,7 @@ class _Req:
     load_sent: float = 0.0  # perf_counter when its asynchronous load went to the workers
 
 
-def _done_hit(st: "_Req | None") -> "_Hit | None":
+def _done_hit(st: "_Req | None") -> "Hit | None":
     """The request's finished lookup answer; None while it runs, or if it
     failed (a failed lookup is a miss, never a failed request)."""
     if st is None or st.lookup is None or not st.lookup.done() or st.lookup.cancelled():
@@ -185,17 +178,18 @@ class KVTierScheduler:
                     cfg = self.settings.store
                     self._probes.append((tier, self._prober.submit(
                         LOAD, self.view.probe, tier, key, cfg.lookup_timeout_s, cfg.load_timeout_s)))
-            if self._all_in_memory(st.root, tokens) or self._persistent <= skip:
+            if all_in_memory(self.view, self.chunk, self.bs, st.root, tokens) or self._persistent <= skip:
                 # Answered from host memory alone (every tier that does I/O
                 # is left out, or every chunk is in memory): no reason to defer.
                 st.lookup = Future()
-                st.lookup.set_result(self._lookup(st.root, tokens, usable, skip))
+                st.lookup.set_result(longest_prefix(self.view, self.chunk, self.bs, st.root, tokens, usable, skip))
             else:
-                st.lookup = self._lookups.submit(LOAD, self._lookup, st.root, tokens, usable, skip)
+                st.lookup = self._lookups.submit(LOAD, longest_prefix, self.view, self.chunk, self.bs, st.root, tokens,
+                                                 usable, skip)
             st.lookup.add_done_callback(
                 lambda _f, t0=t0: self.metrics.lookup_seconds.observe(time.perf_counter() - t0))
         try:
-            hit: _Hit = st.lookup.result(timeout=_LOOKUP_GRACE_S)
+            hit: Hit = st.lookup.result(timeout=_LOOKUP_GRACE_S)
         except FutureTimeout:
             self.metrics.lookup_deferred.inc()
             return None, False
@@ -211,11 +205,11 @@ class KVTierScheduler:
         # on disk or remote is read asynchronously while other requests run.
         # (Shards of another TP size are assembled on the loader thread.)
         st.sync_load = all(
-            t in self.view.host_memory for t in self._tiers_in(hit, num_computed_tokens, end)
+            t in self.view.host_memory for t in tiers_in(hit, num_computed_tokens, end)
         ) and not any(hit.sources)
         return end - num_computed_tokens, not st.sync_load
 
-    def _claim(self, st: _Req, hit: "_Hit", lo: int) -> int:
+    def _claim(self, st: _Req, hit: "Hit", lo: int) -> int:
         """Where the claimed part of ``hit`` ends (tokens): all of it, or up
         to the first chunk past vLLM's own hit ``lo`` whose tier loads slower
         than the engine recomputes, behind the loads queued there. Decided once per lookup answer and hit,
@@ -262,66 +256,6 @@ class KVTierScheduler:
             if st.loading_blocks is not None and not st.sync_load:
                 out[st.load_tier] = out.get(st.load_tier, 0) + len(st.loading_blocks) * self.bs
         return out
-
-    def _all_in_memory(self, root: ChunkKey, tokens: list[int]) -> bool:
-        if not self.view.host_memory:
-            return False
-        usable_blocks = len(tokens) // self.bs * self.bs
-        keys, prev = [], root
-        for start in range(0, usable_blocks, self.chunk):
-            prev = next_key(prev, tokens[start : min(start + self.chunk, usable_blocks)])
-            keys.append(prev)
-        return self.view.in_host_memory(keys)
-
-    @staticmethod
-    def _tiers_in(hit: "_Hit", lo: int, hi: int) -> list[str]:
-        """Tiers of the hit chunks that overlap tokens [lo, hi)."""
-        out, pos = [], 0
-        for k, tier in zip(hit.keys, hit.tiers):
-            if pos + k.num_tokens > lo and pos < hi:
-                out.append(tier)
-            pos += k.num_tokens
-        return out
-
-    def _lookup(self, root: ChunkKey, tokens: list[int], usable: int, skip: frozenset[str] = frozenset()) -> _Hit:
-        """Longest stored prefix of ``tokens`` (runs on the lookup pool), in
-        tokens, capped at ``usable``, not asking the tiers in ``skip``.
-
-        Full chunks first; where they stop, a shorter chunk (whole blocks)
-        may hold the rest: the partial tail an earlier, shorter prompt stored.
-        """
-        C, bs = self.chunk, self.bs
-        keys, prev = [], root
-        for start in range(0, len(tokens) // bs * bs, C):
-            prev = next_key(prev, tokens[start : min(start + C, len(tokens) // bs * bs)])
-            keys.append(prev)
-        plan = self.view.lookup(keys, skip)
-        hit_keys = keys[: plan.chunks]
-        tiers = list(plan.tiers)
-        sources = list(plan.sources) or [0] * plan.chunks
-        hit = sum(k.num_tokens for k in hit_keys)
-        if plan.chunks < len(keys):
-            start = plan.chunks * C
-            tried = keys[plan.chunks].num_tokens
-            base = hit_keys[-1] if hit_keys else root
-            for n in range(min(C, usable - start) // bs * bs, 0, -bs):
-                if n == tried:
-                    continue
-                k = next_key(base, tokens[start : start + n])
-                sub = self.view.lookup([k], skip)
-                if sub.chunks:
-                    hit_keys.append(k)
-                    tiers.append(sub.tiers[0])
-                    sources.append(sub.sources[0] if sub.sources else 0)
-                    hit += n
-                    break
-        # Drop chunks that start at or past the usable end; the last one kept
-        # may run past it (only its leading blocks are loaded).
-        while hit_keys and hit - hit_keys[-1].num_tokens >= usable:
-            hit -= hit_keys.pop().num_tokens
-            tiers.pop()
-            sources.pop()
-        return _Hit(min(hit, usable), hit_keys, tiers, sources)
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
         from vllm.v1.metrics.cache_hit_source import CacheHitSource
