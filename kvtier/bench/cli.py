@@ -209,6 +209,10 @@ def _resume_parser(bsub) -> None:
     br.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                     help="the engines' tensor_parallel_size (default 1); on vLLM's CPU backend each rank gets a "
                     "CPU of its own, and N > 1 needs vLLM's multiprocess mode: name configurations NAME+mp")
+    br.add_argument("--staging", type=argtypes.size, default=32 << 20, metavar="SIZE",
+                    help="kvtier-staged: the capacity of its memory tier above the shared tier (default 32MiB: "
+                    "less than a burst of sessions loads at once, so loads pass through a staging tier they "
+                    "overflow)")
     br.add_argument("--sweep-answer-tokens", type=int, default=16,
                     help="w1 sweep: tokens each resumed session answers (default 16)")
     br.add_argument("--local-ratio", type=argtypes.ratio, default=6.78 / 10.3, metavar="LOCAL:SHARED",
@@ -282,6 +286,7 @@ def cmd_bench_resume(args: argparse.Namespace) -> int:
         throttle_bps=args.throttle, load_decision=args.load_decision,
         concurrency=tuple(sorted(set(levels))) if args.workload == "w1" else (),
         answer_tokens=args.sweep_answer_tokens, local_ratio=args.local_ratio, tensor_parallel=args.tensor_parallel,
+        staging_bytes=args.staging,
     )
     if args.endpoint:
         summary = resume.run_endpoints(cfg, args.endpoint, args.routing, args.label,

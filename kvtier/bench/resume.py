@@ -27,6 +27,10 @@ configurations at once (they would share the cores):
                        drive, the same device read through the kernel's block
                        throttle at --local-ratio of the rate fio measured on
                        it in the same run (blkio.py)
+    kvtier-staged      kvtier, a memory tier of --staging bytes above the shared
+                       tier, smaller than what a burst loads at once (both
+                       tiers' copies dropped before each cold phase): every
+                       load must be served through a staging tier it overflows
     kvtier-throttled   kvtier, shared tier on a FUSE mount (faultfs) whose reads
                        are held to --throttle bytes/s: storage slower than the
                        engine's prefill; compared with recompute (a hit must
@@ -96,7 +100,8 @@ READ_PATHS = {
 # Store options of the configurations that differ from the default in more
 # than their tier (the read buffers' pages).
 STORE_OPTIONS = {"kvtier-shared-4k": {"huge_pages": False}}
-ALL_CONFIGS = CONFIGS + ("kvtier-local-disk", "kvtier-local-drive", "kvtier-throttled") + tuple(READ_PATHS)
+ALL_CONFIGS = (CONFIGS + ("kvtier-local-disk", "kvtier-local-drive", "kvtier-staged", "kvtier-throttled")
+               + tuple(READ_PATHS))
 WORKLOADS = ("w1", "w2", "w3", "w0")
 BLOCK = 128
 CHUNK = 256
@@ -150,6 +155,7 @@ class ResumeConfig:
     answer_tokens: int = 16                # sweep: tokens each resumed session answers
     local_ratio: float = 6.78 / 10.3       # sweep: kvtier-local-drive's read rate over the device's
     tensor_parallel: int = 1               # the engines' tensor_parallel_size (a CPU each)
+    staging_bytes: int = 32 << 20          # kvtier-staged: its memory tier's capacity
 
     @property
     def sweep(self) -> bool:
@@ -217,6 +223,8 @@ def _spec(cfg: ResumeConfig, name: str, label: str, workload: wl.Workload, model
         "kvtier-disk": [{"kind": "disk", "path": str(store), "capacity": "32GiB"}],
         "kvtier-local-disk": [{"kind": "disk", "path": str(store / f"instance-{instance}"), "capacity": "32GiB"}],
         "kvtier-local-drive": [{"kind": "disk", "path": str(store), "capacity": "32GiB"}],
+        "kvtier-staged": [{"kind": "memory", "capacity": f"{cfg.staging_bytes}B"},
+                          {"kind": "shared", "path": str(store), "capacity": "32GiB"}],
         "kvtier-shared": [{"kind": "shared", "path": str(store), "capacity": "32GiB"}],
         "kvtier-throttled": [{"kind": "shared", "path": str(store), "capacity": "32GiB"}],
         **{n: [{"kind": "shared", "path": str(store), "capacity": "32GiB", **opts}] for n, opts in READ_PATHS.items()},
@@ -230,6 +238,8 @@ def _spec(cfg: ResumeConfig, name: str, label: str, workload: wl.Workload, model
     cold: dict = {}
     if name in ("kvtier-shared", "kvtier-local-disk", "kvtier-local-drive", *READ_PATHS):
         cold = {"drop_page_cache": True}
+    if name == "kvtier-staged":
+        cold = {"drop_page_cache": True, "drop_tiers": ["memory"]}
     if name == "vllm-offloading":
         # vLLM's own CPU offloading (CUDA hosts): host memory as the second tier.
         engine["kv_transfer_config"] = {

@@ -124,12 +124,17 @@ def test_bench_resume_concurrency_sweep_smoke(tmp_path):
     """W1 swept over concurrency: every configuration of the sweep runs each
     burst, a modelled local drive included, and the hits kvtier reports per
     burst are vLLM's own."""
-    run = _run(tmp_path, "sweep", "--contexts", "512", "--concurrency", "1,3", "--sweep-answer-tokens", "4")
+    # kvtier-staged: a memory tier of 1 MiB above the shared tier, where a
+    # burst of 3 sessions loads 1.5 MiB at once (512 tokens of 1 KiB each).
+    run = _run(tmp_path, "sweep", "--contexts", "512", "--concurrency", "1,3", "--sweep-answer-tokens", "4",
+               "--configs", "recompute,prefix-cache,kvtier-shared,kvtier-local-drive,kvtier-staged",
+               "--staging", "1MiB")
     s = run["summary"]
     assert s["kind"] == "sweep" and s["levels"] == [1, 3]
     assert s["device"]["gbps_by_streams"].keys() == {"1", "3"}
     by = s["results"]["512"]
-    assert set(by) == {"recompute", "prefix-cache", "kvtier-shared", "kvtier-local-drive"}
+    assert set(by) == {"recompute", "prefix-cache", "kvtier-shared", "kvtier-local-drive", "kvtier-staged"}
+    assert all(lv["failed_blocks"] == 0 and lv["stopped_loads"] == 0 for lv in by["kvtier-staged"]["levels"].values())
     for name, v in by.items():
         for c in (1, 3):
             lv = v["levels"][str(c)]
