@@ -209,6 +209,11 @@ def _resume_parser(bsub) -> None:
     br.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                     help="the engines' tensor_parallel_size (default 1); on vLLM's CPU backend each rank gets a "
                     "CPU of its own, and N > 1 needs vLLM's multiprocess mode: name configurations NAME+mp")
+    br.add_argument("--device-rate", type=argtypes.size, default=0, metavar="BYTES",
+                    help="w1 sweep: model the device at this read rate per second (e.g. 200MB), every kvtier "
+                    "configuration's engine under the kernel's block throttle, the local drive at --local-ratio "
+                    "of it: a device slower than the engine shows how loads share it (needs root and a block "
+                    "device)")
     br.add_argument("--staging", type=argtypes.size, default=32 << 20, metavar="SIZE",
                     help="kvtier-staged: the capacity of its memory tier above the shared tier (default 32MiB: "
                     "less than a burst of sessions loads at once, so loads pass through a staging tier they "
@@ -286,7 +291,7 @@ def cmd_bench_resume(args: argparse.Namespace) -> int:
         throttle_bps=args.throttle, load_decision=args.load_decision,
         concurrency=tuple(sorted(set(levels))) if args.workload == "w1" else (),
         answer_tokens=args.sweep_answer_tokens, local_ratio=args.local_ratio, tensor_parallel=args.tensor_parallel,
-        staging_bytes=args.staging,
+        staging_bytes=args.staging, device_bps=args.device_rate,
     )
     if args.endpoint:
         summary = resume.run_endpoints(cfg, args.endpoint, args.routing, args.label,

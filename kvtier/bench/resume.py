@@ -27,6 +27,11 @@ configurations at once (they would share the cores):
                        drive, the same device read through the kernel's block
                        throttle at --local-ratio of the rate fio measured on
                        it in the same run (blkio.py)
+    kvtier-shared-serial, kvtier-shared-fair
+                       the shared tier with its loads read one at a time in
+                       the order they were claimed (load_threads 1), or all
+                       at once sharing the device (load_threads 64); the
+                       default reads two at a time
     kvtier-staged      kvtier, a memory tier of --staging bytes above the shared
                        tier, smaller than what a burst loads at once (both
                        tiers' copies dropped before each cold phase): every
@@ -98,10 +103,11 @@ READ_PATHS = {
     "kvtier-shared-w128": {"read_window_bytes": "128MiB"},
 }
 # Store options of the configurations that differ from the default in more
-# than their tier (the read buffers' pages).
+# than their tier (the read buffers' pages), and the connector's.
 STORE_OPTIONS = {"kvtier-shared-4k": {"huge_pages": False}}
+LOAD_ORDERS = {"kvtier-shared-serial": {"load_threads": 1}, "kvtier-shared-fair": {"load_threads": 64}}
 ALL_CONFIGS = (CONFIGS + ("kvtier-local-disk", "kvtier-local-drive", "kvtier-staged", "kvtier-throttled")
-               + tuple(READ_PATHS))
+               + tuple(READ_PATHS) + tuple(LOAD_ORDERS))
 WORKLOADS = ("w1", "w2", "w3", "w0")
 BLOCK = 128
 CHUNK = 256
@@ -156,6 +162,7 @@ class ResumeConfig:
     local_ratio: float = 6.78 / 10.3       # sweep: kvtier-local-drive's read rate over the device's
     tensor_parallel: int = 1               # the engines' tensor_parallel_size (a CPU each)
     staging_bytes: int = 32 << 20          # kvtier-staged: its memory tier's capacity
+    device_bps: float = 0                  # sweep: model the device at this read rate (0: as it is)
 
     @property
     def sweep(self) -> bool:
@@ -228,15 +235,17 @@ def _spec(cfg: ResumeConfig, name: str, label: str, workload: wl.Workload, model
         "kvtier-shared": [{"kind": "shared", "path": str(store), "capacity": "32GiB"}],
         "kvtier-throttled": [{"kind": "shared", "path": str(store), "capacity": "32GiB"}],
         **{n: [{"kind": "shared", "path": str(store), "capacity": "32GiB", **opts}] for n, opts in READ_PATHS.items()},
+        **{n: [{"kind": "shared", "path": str(store), "capacity": "32GiB"}] for n in LOAD_ORDERS},
     }
     kvtier = ({"chunk_tokens": CHUNK, "tiers": tiers[name], "load_decision": cfg.load_decision}
               if name in tiers else None)
     if kvtier is not None:
         kvtier.update(STORE_OPTIONS.get(name, {}))
+        kvtier.update(LOAD_ORDERS.get(name, {}))
     if kvtier is not None and node_memory:
         kvtier["node_memory_dir"] = node_memory  # this run's node memory, shared by its instances
     cold: dict = {}
-    if name in ("kvtier-shared", "kvtier-local-disk", "kvtier-local-drive", *READ_PATHS):
+    if name in ("kvtier-shared", "kvtier-local-disk", "kvtier-local-drive", *READ_PATHS, *LOAD_ORDERS):
         cold = {"drop_page_cache": True}
     if name == "kvtier-staged":
         cold = {"drop_page_cache": True, "drop_tiers": ["memory"]}
@@ -382,14 +391,19 @@ def _throttled_mount(cfg: ResumeConfig, name: str, store: Path):
 
 @contextlib.contextmanager
 def _local_drive(cfg: ResumeConfig, name: str, store: Path, device: dict):
-    """For kvtier-local-drive: the block throttle its engine runs under
-    (blkio.py), at the rate ``measure_device`` set; else None."""
-    if base_config(name) != "kvtier-local-drive":
+    """The block throttle an engine runs under (blkio.py), or None: for
+    kvtier-local-drive at the rate ``measure_device`` set; with
+    ``device_bps``, for every kvtier configuration reading files, at it."""
+    base = base_config(name)
+    bps = device.get("local_drive_bps") if base == "kvtier-local-drive" else None
+    if bps is None and cfg.device_bps and base.startswith("kvtier") and base not in ("kvtier-memory", "kvtier-throttled"):
+        bps = cfg.device_bps
+    if not bps:
         yield None
         return
     from kvtier.bench.blkio import ReadThrottle
 
-    with ReadThrottle(store, device["local_drive_bps"]) as throttle:
+    with ReadThrottle(store, bps) as throttle:
         yield throttle
 
 

@@ -65,9 +65,15 @@ def measure_device(cfg, log=print) -> dict:
         out["skipped"] = str(exc)
     finally:
         remove_fio_file(probe)
+    reason = why_not(where)
+    if cfg.device_bps:
+        if reason:
+            raise RuntimeError(f"--device-rate: {reason}")
+        # The modelled device: what fio measured, held to the throttle's rate.
+        out["modelled_gbps"] = cfg.device_bps / 1e9
+        out["gbps_by_streams"] = {c: min(g, out["modelled_gbps"]) for c, g in out["gbps_by_streams"].items()}
     rates = out["gbps_by_streams"].values()
     out["best_gbps"] = max(rates) if rates else None
-    reason = why_not(where)
     if not reason and not out["best_gbps"]:
         reason = "fio did not measure the device, so there is no rate to model the local drive at"
     if reason:
@@ -166,7 +172,7 @@ def _floors(by: dict, device: dict, levels: list[int], ratio: float) -> None:
     """The floor of each kvtier configuration at each level, in place."""
     best = device.get("best_gbps")
     for name, v in by.items():
-        rate = {"kvtier-shared": best, "kvtier-staged": best,
+        rate = {"kvtier-shared": best, "kvtier-staged": best, "kvtier-shared-serial": best, "kvtier-shared-fair": best,
                 "kvtier-local-drive": best * ratio if best else None}.get(name.removesuffix("+mp"))
         s = v["engine_s"]
         for c in levels:
@@ -238,6 +244,9 @@ def format_table(s: dict) -> str:
     if dev.get("gbps_by_streams"):
         lines.append("device (fio, O_DIRECT 1 MiB x%d per stream): " % dev["depth"] + ", ".join(
             f"{c} streams {g:.2f} GB/s" for c, g in dev["gbps_by_streams"].items()))
+    if dev.get("modelled_gbps"):
+        lines.append(f"device: MODELLED, every kvtier configuration's reads held to {dev['modelled_gbps']:.2f} GB/s "
+                     "by the kernel's block throttle (fio figures capped at it)")
     if dev.get("local_drive_bps"):
         lines.append(f"kvtier-local-drive: MODELLED, the same device held to {s['local_ratio']:.3f} x its best "
                      f"rate = {dev['local_drive_bps'] / 1e9:.2f} GB/s by the kernel's block throttle")

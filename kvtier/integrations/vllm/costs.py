@@ -25,17 +25,18 @@ seconds per token, from what the engine itself does:
 ``claimable`` cuts a hit before its first chunk whose tier loads slower
 than prefill computes; chunks in host memory always pay off (a memcpy).
 It also sees the queue: a new load starts behind the loads in flight or
-pending on its tier (the worker's loader reads two at a time, in
+pending on its tier (the worker's loader reads `load_threads`, two by default, at a time, in
 submission order, and the tier's bandwidth is shared by them), so it ends
 after about (tokens ahead, not yet done, + its own) x the tier's rate.
 Because that rate is a one-load-alone rate, the sum counts the queue
 once: a rate measured as wall time per token under the loader's
 concurrency would count the sharing twice (in the rate, and again in the
 tokens ahead). A tier's chunks are claimed only if that finish beats
-recomputing them: the engine's own queue is not compared, as it is ahead
-of the request either way (a loaded request still computes its suffix
-there), so what differs is the tier's queue and read against the
-request's own prefill.
+recomputing them behind the engine's backlog (the prompt tokens it has
+yet to compute for requests ahead that are not loading): a load runs
+while the engine works through that backlog, and the request then
+computes only its suffix, whereas a recompute waits for the backlog and
+then computes its own tokens too.
 
 A rate not known is measured before any request depends on it where it
 can be: once the engine saved a chunk, the scheduler reads it back from
@@ -180,7 +181,7 @@ class LoadCosts:
                 and (probe is None or now - probe >= self.probe_interval_s))
 
     def claimable(self, tiers: list[str], tokens: list[int] | None = None,
-                  ahead: Mapping[str, int] | None = None) -> tuple[int, str | None]:
+                  ahead: Mapping[str, int] | None = None, engine: int = 0) -> tuple[int, str | None]:
         """How many leading chunks of a hit (``tiers``: each chunk's slowest
         tier; ``tokens``: each chunk's tokens to load) to claim, and the tier
         that stopped the claim short (None: all of it). ``ahead``: per tier,
@@ -201,20 +202,26 @@ class LoadCosts:
             for tier, k in zip(tiers[:n], tokens[:n]):
                 own[tier] = own.get(tier, 0) + k
             late = next((i for i, tier in enumerate(tiers[:n])
-                         if not self._queue_pays_off(tier, own[tier], ahead.get(tier, 0))), None)
+                         if not self._queue_pays_off(tier, own[tier], ahead.get(tier, 0), engine)), None)
             if late is None:
                 return n, stopped
             n, stopped = late, tiers[late]
 
-    def _queue_pays_off(self, tier: str, own: int, ahead: int) -> bool:
+    def _queue_pays_off(self, tier: str, own: int, ahead: int, engine: int = 0) -> bool:
         """Does loading ``own`` tokens from ``tier`` behind ``ahead`` tokens
-        end before recomputing the ``own`` tokens would?"""
+        end before recomputing the ``own`` tokens would, behind the
+        ``engine`` tokens the engine has yet to prefill for requests ahead?
+
+        The load runs while the engine computes those; the request then
+        computes only its suffix. Recomputed, it waits for all of them and
+        then computes its own tokens as well. So the load pays off when it
+        ends before the engine's backlog and its own prefill would."""
         if tier in self.memory_tiers or not ahead:
             return True
         load, prefill = self.tiers.get(tier), self.prefill.value
         if load is None or load.value is None or prefill is None:
             return True
-        return (ahead + own) * load.value <= own * prefill
+        return (ahead + own) * load.value <= (engine + own) * prefill
 
     def budget(self, tier: str, tokens: int) -> float | None:
         """Seconds a load of ``tokens`` from ``tier`` (its slowest) may read,

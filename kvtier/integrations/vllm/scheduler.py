@@ -66,6 +66,7 @@ class _Req:
     sync_load: bool = False
     failed: bool = False  # a load failed, or the request is not cacheable: never claim
     skipped: bool = False  # counted once as a request that must compute its whole prompt
+    answered: bool = False  # its lookup was answered: it is ahead of requests asked after it
     claim: tuple[Future, int, int] | None = None  # (lookup, vLLM's hit, tokens claimed up to): decided once
     load_tier: str = ""  # an async load in flight: the slowest tier it reads from
     read: tuple[float, int] | None = None  # its (seconds, tokens loaded), over the ranks reported so far
@@ -197,6 +198,7 @@ class KVTierScheduler:
             log.warning("kvtier lookup failed for %s: %s", request.request_id, exc)
             return 0, False
         st.local_tokens = num_computed_tokens
+        st.answered = True
         end = self._claim(st, hit, num_computed_tokens)
         if end <= num_computed_tokens:
             return 0, False
@@ -226,7 +228,7 @@ class KVTierScheduler:
         tokens = [min(starts[i] + k.num_tokens, hit.tokens) - max(starts[i], lo)
                   for i, k in enumerate(hit.keys) if i >= first]
         ahead = self._queued_tokens()
-        n, stopped = self.costs.claimable(hit.tiers[first:], tokens, ahead)
+        n, stopped = self.costs.claimable(hit.tiers[first:], tokens, ahead, self._engine_backlog(st))
         end = hit.tokens if first + n >= len(hit.keys) else max(lo, starts[first + n])
         if stopped is not None and end < hit.tokens:
             reason = "queued" if ahead.get(stopped) and self.costs.pays_off(stopped) else "cut"
@@ -247,6 +249,18 @@ class KVTierScheduler:
         if len(suffixes) < 2:
             return 0
         return 1 if self.costs.pace_loads(suffixes[len(suffixes) // 2]) else 0
+
+    def _engine_backlog(self, mine: _Req) -> int:
+        """Prompt tokens the engine has yet to compute for the requests
+        answered before ``mine`` and not loading: the queue a recomputed
+        request would wait behind (a loaded one reads meanwhile)."""
+        out = 0
+        for st in self._reqs.values():
+            if st is mine or not st.answered or st.loading_blocks is not None:
+                continue
+            req = st.request
+            out += max(0, getattr(req, "num_prompt_tokens", 0) - getattr(req, "num_computed_tokens", 0))
+        return out
 
     def _queued_tokens(self) -> dict[str, int]:
         """Per tier, tokens of the asynchronous loads claimed there and not

@@ -101,6 +101,9 @@ class Settings:
     # Keep vLLM's busy-wait for its workers' replies while kvtier loads
     # (enginewait.py; by default the engine core blocks instead).
     spin_during_loads: bool = False
+    # Asynchronous loads a worker reads at once, the rest queued in the
+    # order they were claimed (worker.py).
+    load_threads: int = 2
 
     def with_page(self, page: str) -> "Settings":
         """These settings with the workers' page layout in the namespace."""
@@ -157,7 +160,7 @@ class LoadDecision:
 # kv_connector_extra_config, or in the config file's ``vllm:`` section.
 SECTION = "vllm"
 CONNECTOR_KEYS = ("model_fingerprint", "share_tp_sizes", "io_cpus", "load_decision", "prefill_tokens_per_s",
-                  "read_rates", "probe_interval_s", "spin_during_loads")
+                  "read_rates", "probe_interval_s", "spin_during_loads", "load_threads")
 
 
 @dataclass(frozen=True)
@@ -167,6 +170,7 @@ class ConnectorKeys:
     io_cpus: str | frozenset[int] = "auto"
     decision: LoadDecision = field(default_factory=LoadDecision)
     spin_during_loads: bool = False
+    load_threads: int = 2
 
 
 def connector_section(path: str | None, environ=os.environ) -> dict:
@@ -194,8 +198,13 @@ def parse_connector_keys(own: dict, tier_names: list[str]) -> ConnectorKeys:
         raise ConfigError(f"{SECTION}.model_fingerprint", f"expected a string, got {fingerprint!r}",
                           'write "full", or a string that names these weights (e.g. the hub commit)')
     spin = parse_bool(own.pop("spin_during_loads", False), f"{SECTION}.spin_during_loads")
+    threads = own.pop("load_threads", 2)
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 64:
+        raise ConfigError(f"{SECTION}.load_threads", f"expected a whole number from 1 to 64, got {threads!r}",
+                          "write e.g. load_threads: 2 (loads read at once; the rest wait their turn)")
     return ConnectorKeys(None if fingerprint is None else str(fingerprint), own.pop("share_tp_sizes", None),
-                         parse_io_cpus(own.pop("io_cpus", "auto")), parse_load_decision(own, tier_names), spin)
+                         parse_io_cpus(own.pop("io_cpus", "auto")), parse_load_decision(own, tier_names), spin,
+                         threads)
 
 
 def parse_load_decision(extra: dict, tier_names: list[str]) -> LoadDecision:
@@ -323,7 +332,7 @@ def load_settings(vllm_config: Any, kv_cache_config: Any, worker: bool) -> Setti
     )
     return Settings(store, ns, block_size, len(groups[0].layer_names), kv_dtype, topology, kv_layout,
                     awaiting_page=not worker, io_cpus=io_cpus, decision=decision,
-                    spin_during_loads=keys.spin_during_loads)
+                    spin_during_loads=keys.spin_during_loads, load_threads=keys.load_threads)
 
 
 def parse_io_cpus(value: Any) -> str | frozenset[int]:

@@ -68,7 +68,7 @@ class KVTierWorker:
         self._sync_pending: list = []  # device copies of synchronous loads, staging not yet back
         self._saver: PriorityExecutor | None = None
         self.page = ""  # backend and page layout, for the scheduler side (handshake)
-        self._loader = PriorityExecutor("vllm-load", 2)
+        self._loader = PriorityExecutor("vllm-load", settings.load_threads)
         self._lock = threading.Lock()
         self._inflight: dict[str, _InFlight] = {}  # asynchronous loads not yet reported
         self._errors_to_report: set[int] = set()

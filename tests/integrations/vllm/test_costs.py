@@ -386,6 +386,17 @@ def test_spin_during_loads_is_a_connector_key():
     assert err.value.key == "vllm.spin_during_loads" and "true or false" in err.value.fix
 
 
+@pytest.mark.parametrize("value", [0, 65, "4", 2.5, True])
+def test_load_threads_is_a_whole_number_of_loads_read_at_once(value):
+    from kvtier.integrations.vllm.settings import parse_connector_keys
+
+    assert parse_connector_keys({}, ["shared"]).load_threads == 2
+    assert parse_connector_keys({"load_threads": 8}, ["shared"]).load_threads == 8
+    with pytest.raises(ConfigError) as err:
+        parse_connector_keys({"load_threads": value}, ["shared"])
+    assert err.value.key == "vllm.load_threads"
+
+
 def test_a_saved_chunk_is_read_back_to_measure_a_tier_before_any_resume(tmp_path):
     """A fresh engine knows no tier's rate. Its first save starts a read-back
     probe on each persistent tier not measured: the probe waits until the
@@ -502,6 +513,29 @@ def test_nothing_is_saved_while_every_tier_is_too_slow_to_load_from(tmp_path):
         cached = SimpleNamespace(req_ids=["a"], new_block_ids=[None], num_computed_tokens=[22], resumed_req_ids=set())
         (job,) = s.build_connector_meta(output(cached=cached, scheduled={"a": 0})).saves
         assert [c.key.num_tokens for c in job.chunks] == [C, C, 4]
+    finally:
+        s.close()
+        store.close()
+
+
+def test_a_claim_weighs_the_load_queue_against_the_engines_own_backlog(tmp_path):
+    """The disk loads a token in 0.6 ms, the engine computes one in 1 ms.
+    Behind 16 tokens of loads, 16 more would wait 19.2 ms for 16 ms of
+    prefill: alone, that is a recompute. But with a request ahead that the
+    engine must compute from scratch (30 prompt tokens, a miss), a
+    recompute waits for it too: 46 ms against the load's 19.2, so the
+    load pays off."""
+    s, store = _disk_scheduler(tmp_path)
+    try:
+        store_chunks(s, TOK, [C, C])
+        store.flush()
+        s.costs.prefill.value = 0.001
+        s.costs.loaded("disk", seconds=0.0096, tokens=16)
+        miss = request("m", [7] * 30)
+        miss.num_computed_tokens = 0
+        assert ask(s, miss) == (0, False)  # answered first: in the engine's queue, all 30 tokens to compute
+        assert _claim(s, "a") == 16
+        assert _claim(s, "b") == 16
     finally:
         s.close()
         store.close()
