@@ -2,6 +2,7 @@
 workload, its figures and verdicts from synthetic engine runs, the flags'
 validation, and one tiny run of real engines."""
 
+import argparse
 import json
 import math
 import subprocess
@@ -9,6 +10,7 @@ import sys
 
 import pytest
 
+from kvtier import argtypes
 from kvtier.bench import goodput, workloads
 from kvtier.bench.resume import ResumeConfig
 
@@ -131,6 +133,17 @@ def test_the_bar_is_judged_only_where_the_grid_finds_prefix_caches_knee(by, met,
     assert c["met"] is met and c["ratio"] == ratio
     if met is None:
         assert c["why"]
+
+
+def test_rates_and_slo_read_as_the_help_says():
+    assert argtypes.positive_floats("1,0.25,0.5,1") == (0.25, 0.5, 1.0)
+    assert [argtypes.seconds(t) for t in ("2", "2s", "500ms", "1.5S")] == [2.0, 2.0, 0.5, 1.5]
+    for bad in ("", "inf", "nan", "-2s", "2m", "ms"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            argtypes.seconds(bad)
+    for bad in ("", ",", "nan", "1,inf"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            argtypes.positive_floats(bad)
 
 
 @pytest.mark.parametrize("args, key", [
