@@ -32,6 +32,32 @@ def ints(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def positive_floats(text: str) -> tuple[float, ...]:
+    """Comma-separated positive numbers, returned ascending without
+    repeats: ``0.25,0.5,1,2``."""
+    try:
+        values = tuple(float(t) for t in text.split(",") if t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values or not all(0 < v < float("inf") for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive numbers, comma-separated, got {text!r}")
+    return tuple(sorted(set(values)))
+
+
+def seconds(text: str) -> float:
+    """A positive duration in seconds: ``2``, ``2s``, ``500ms``."""
+    t = text.strip().lower()
+    scale = 1e-3 if t.endswith("ms") else 1.0
+    t = t.removesuffix("ms").removesuffix("s")
+    try:
+        value = float(t) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a duration such as 2s or 500ms, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive duration, got {text!r}")
+    return value
+
+
 def pair(text: str) -> tuple[int, int]:
     """Two integers, ``LO,HI``."""
     try:

@@ -147,7 +147,8 @@ def _resume_parser(bsub) -> None:
             "      the engine's KV, prefilled then resumed in order (also measures the fio floor)\n"
             "  w2  multi-turn chat: shared system prompt, growing history, think time, Poisson arrivals,\n"
             "      bounded concurrency (--turns, --system-tokens, --user-tokens, --answer-tokens, --think,\n"
-            "      --rate, --concurrency)\n"
+            "      --rate, --concurrency); with --rates R1,R2,... and --slo: goodput and knee per\n"
+            "      configuration at a TTFT SLO over arrival rates (report/goodput.*)\n"
             "  w3  multi-instance: w1 over --instances engines with random routing; each instance with its\n"
             "      own local disk tier vs all sharing the shared tier\n"
             "  w0  zero hits: distinct prompts only; kvtier's overhead against no connector\n\n"
@@ -200,6 +201,16 @@ def _resume_parser(bsub) -> None:
     br.add_argument("--answer-tokens", type=argtypes.ints, default=(16, 64), help="w2: answer length, min,max (default 16,64)")
     br.add_argument("--think", type=float, default=8.0, help="w2: mean think time between turns, seconds (default 8)")
     br.add_argument("--rate", type=float, default=0.5, help="w2: conversations started per second, Poisson (default 0.5)")
+    br.add_argument("--rates", type=argtypes.positive_floats, default=None, metavar="R[,R...]",
+                    help="w2: goodput at an SLO: run the conversations at each of these arrival rates "
+                    "(conversations started per second, e.g. 0.25,0.5,1,2; instead of --rate), each rate a phase "
+                    "of one engine run per configuration with tokens of its own; reports TTFT p50/p95/p99 per "
+                    "rate, the goodput (highest rate whose TTFT p95 holds --slo) and the knee (first rate that "
+                    "misses) of each configuration (default recompute, prefix-cache, kvtier-shared) and writes "
+                    "report/goodput.{json,md,png} (docs/goodput.md)")
+    br.add_argument("--slo", type=argtypes.seconds, default=None, metavar="SECONDS",
+                    help="with --rates: the TTFT p95 target, from a turn being ready to its first token, e.g. 2s "
+                    "or 500ms (default 2s)")
     br.add_argument("--concurrency", type=argtypes.ints, default=None, metavar="N[,N...]",
                     help="w2: requests in flight at most (default 4); w1: sweep these numbers of sessions "
                     "returning at once, e.g. 1,8,16: max(N) sessions are prefilled, then each level's sessions "
@@ -249,7 +260,7 @@ def _resume_parser(bsub) -> None:
 
 
 def cmd_bench_resume(args: argparse.Namespace) -> int:
-    from kvtier.bench import resume, resume_report, sweep
+    from kvtier.bench import goodput, resume, resume_report, sweep
     from kvtier.bench.tinymodels import PRESETS
     from kvtier.bench.workloads import ChatShape
 
@@ -280,6 +291,11 @@ def cmd_bench_resume(args: argparse.Namespace) -> int:
     if args.workload == "w1" and levels and args.resumes > 1:
         raise ConfigError("--resumes", "a concurrency sweep resumes each level's sessions once per round",
                           "pass --rounds 2 for more samples")
+    if args.rates and (args.workload != "w2" or args.endpoint):
+        raise ConfigError("--rates", "arrival rates are swept for w2 run in-process only",
+                          "pass --workload w2 without --endpoint, or drop --rates")
+    if args.slo is not None and not args.rates:
+        raise ConfigError("--slo", "an SLO is judged over arrival rates", "pass --rates too, e.g. --rates 0.25,0.5,1,2")
     chat = ChatShape(sessions=args.sessions, turns=args.turns, system_tokens=args.system_tokens,
                      user_tokens=args.user_tokens, answer_tokens=args.answer_tokens, think_s=args.think,
                      arrival_rate=args.rate, concurrency=levels[0] if args.workload == "w2" and levels else 4)
@@ -292,13 +308,14 @@ def cmd_bench_resume(args: argparse.Namespace) -> int:
         concurrency=tuple(sorted(set(levels))) if args.workload == "w1" else (),
         answer_tokens=args.sweep_answer_tokens, local_ratio=args.local_ratio, tensor_parallel=args.tensor_parallel,
         staging_bytes=args.staging, device_bps=args.device_rate,
+        rates=args.rates or (), slo_s=args.slo if args.slo is not None else 2.0,
     )
     if args.endpoint:
         summary = resume.run_endpoints(cfg, args.endpoint, args.routing, args.label,
                                        progress=progress.bars(not args.no_progress))
     else:
         summary = resume.run(cfg, progress=progress.bars(not args.no_progress))
-    report = sweep if summary.get("kind") == "sweep" else resume_report
+    report = {"sweep": sweep, "goodput": goodput}.get(summary.get("kind"), resume_report)
     print(report.format_table(summary))
     paths = report.write_report(summary, Path(args.dir) / "report")
     if args.json:

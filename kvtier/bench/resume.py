@@ -60,6 +60,10 @@ of 1, 8, 16 ... sessions returning at once, each against what the device
 gives that many streams (fio, same run) and the floor that rate and the
 engine's own compute allow.
 
+With ``--rates`` W2 runs at several arrival rates, one phase each
+(``kvtier.bench.goodput``): TTFT p95 per rate against an SLO, the goodput
+and the knee of each configuration.
+
 For W1 the run also measures the floor a resume from storage cannot beat: the
 engine's own TTFT on a memory-tier hit plus the bytes read per resume over the
 storage's sequential read bandwidth, measured by fio in the same run.
@@ -163,10 +167,16 @@ class ResumeConfig:
     tensor_parallel: int = 1               # the engines' tensor_parallel_size (a CPU each)
     staging_bytes: int = 32 << 20          # kvtier-staged: its memory tier's capacity
     device_bps: float = 0                  # sweep: model the device at this read rate (0: as it is)
+    rates: tuple[float, ...] = ()          # W2: arrival rates, one phase each, ascending (goodput.py)
+    slo_s: float = 2.0                     # W2 over rates: the TTFT p95 target, seconds
 
     @property
     def sweep(self) -> bool:
         return self.workload == "w1" and bool(self.concurrency)
+
+    @property
+    def goodput(self) -> bool:
+        return self.workload == "w2" and bool(self.rates)
 
     def config_names(self) -> tuple[str, ...]:
         if self.configs:
@@ -174,6 +184,10 @@ class ResumeConfig:
         default = {"w3": W3_CONFIGS, "w0": W0_CONFIGS}.get(self.workload, CONFIGS)
         if self.sweep:
             return SWEEP_CONFIGS
+        if self.goodput:
+            from kvtier.bench.goodput import CONFIGS as GOODPUT_CONFIGS
+
+            return GOODPUT_CONFIGS
         # Where they run (CUDA), the peers join W1 and W2.
         return default + (tuple(CUDA_PEERS) if self.workload in ("w1", "w2") and has_cuda() else ())
 
@@ -187,6 +201,10 @@ def cases(cfg: ResumeConfig) -> list[tuple[str, wl.Workload]]:
         return [(str(c), wl.w1(cfg.sessions, c, vocab, cfg.seed, cfg.resumes)) for c in cfg.contexts]
     if cfg.workload == "w3":
         return [(str(c), wl.w3(cfg.sessions, c, vocab, cfg.instances, cfg.seed, cfg.resumes)) for c in cfg.contexts]
+    if cfg.goodput:
+        from kvtier.bench import goodput
+
+        return [("chat", goodput.workload(cfg.chat, cfg.rates, vocab, cfg.seed))]
     if cfg.workload == "w2":
         return [("chat", wl.w2(cfg.chat, vocab, cfg.seed))]
     return [(str(c), wl.w0(cfg.sessions, c, vocab, cfg.seed)) for c in cfg.contexts]
@@ -322,6 +340,10 @@ def run(cfg: ResumeConfig, progress: Callable[[str, int], Callable[[int], None]]
         raise RuntimeError("every configuration failed:\n" + "\n".join(f["error"] for f in failed))
     if cfg.sweep:
         summary = sweep.summarise(cfg, runs, device, missing, todo[0][1].description)
+    elif cfg.goodput:
+        from kvtier.bench import goodput
+
+        summary = goodput.summarise(cfg, runs, missing)
     else:
         summary = summarise(cfg, runs, fio, missing)
     summary["failed"] = failed
