@@ -74,9 +74,9 @@ _ALPHA = 0.3
 # the stop (one engine step, or 5 ms while the engine idles) and for the
 # step that schedules the request again.
 CUT_FRACTION = 0.1
-# A healthy load may take this multiple of its expected time: it shares the
-# tier with the loader's other load (2 x), and reads jitter.
-HEALTHY_MULTIPLE = 4.0
+# A healthy load may take this multiple of its expected time for each load
+# it may share the tier with (the worker's load_threads): reads jitter.
+HEALTHY_MULTIPLE = 2.0
 
 
 # Steps of at most this many tokens are decode work: their time is the
@@ -107,6 +107,7 @@ class LoadCosts:
     memory_tiers: frozenset[str]  # host memory: always worth loading
     min_step_tokens: int  # steps with fewer scheduled tokens say nothing about prefill
     probe_interval_s: float = 30.0
+    sharing: int = 2  # loads a worker reads at once (load_threads): a load may share the tier with as many
     prefill: Rate = field(default_factory=Rate)
     step: Rate = field(default_factory=Rate)  # seconds of a step of decode work (per step, not per token)
     # Seconds per token of steps too small to be prefill work and too large
@@ -122,8 +123,9 @@ class LoadCosts:
 
     @classmethod
     def seeded(cls, memory_tiers: Iterable[str], min_step_tokens: int, prefill_tokens_per_s: float | None,
-               tier_seconds_per_token: dict[str, float], probe_interval_s: float = 30.0) -> "LoadCosts":
-        costs = cls(frozenset(memory_tiers), min_step_tokens, probe_interval_s)
+               tier_seconds_per_token: dict[str, float], probe_interval_s: float = 30.0,
+               sharing: int = 2) -> "LoadCosts":
+        costs = cls(frozenset(memory_tiers), min_step_tokens, probe_interval_s, max(1, sharing))
         if prefill_tokens_per_s:
             costs.prefill.value = 1.0 / prefill_tokens_per_s
         for tier, spt in tier_seconds_per_token.items():
@@ -226,6 +228,7 @@ class LoadCosts:
     def budget(self, tier: str, tokens: int) -> float | None:
         """Seconds a load of ``tokens`` from ``tier`` (its slowest) may read,
         from when its reads start: ``HEALTHY_MULTIPLE`` x its expected time
+        for each load it may share the tier with (``sharing``)
         at the tier's known rate, but never more than ``CUT_FRACTION`` of
         recomputing the tokens beyond the expected time, and never less than
         that fraction (a rate not known yet expects nothing). None while
@@ -236,7 +239,7 @@ class LoadCosts:
         rate = None if tier in self.memory_tiers else self.tiers.get(tier)
         expected = tokens * rate.value if rate is not None and rate.value is not None else 0.0
         allowance = CUT_FRACTION * tokens * prefill
-        return max(allowance, min(HEALTHY_MULTIPLE * expected, expected + allowance))
+        return max(allowance, min(HEALTHY_MULTIPLE * self.sharing * expected, expected + allowance))
 
     def pace_loads(self, suffix_tokens: int) -> bool:
         """Whether to hand loaded requests to the engine one per step rather

@@ -107,7 +107,8 @@ class KVTierScheduler:
         d = settings.decision
         self.costs = LoadCosts.seeded(
             view.host_memory, self.chunk, d.prefill_tokens_per_s,
-            {tier: bytes_per_token / rate for tier, rate in d.read_rates if bytes_per_token}, d.probe_interval_s)
+            {tier: bytes_per_token / rate for tier, rate in d.read_rates if bytes_per_token}, d.probe_interval_s,
+            settings.load_threads)
 
     def set_page(self, page: str) -> None:
         """The workers' page layout (their handshake, before any request):

@@ -90,6 +90,16 @@ def test_a_load_budget_is_its_expected_time_with_a_bounded_margin_over_recompute
     c.loaded("s3", seconds=0.5, tokens=1000)  # 500 ms expected: 4 x that passes expected + 100 ms
     assert c.budget("s3", 1000) == pytest.approx(0.6)
     assert c.budget("memory", 1000) == pytest.approx(0.1)
+    # Eight loads read at once (load_threads 8): a load may take 16 x its
+    # expected time sharing the tier, still capped at expected + a tenth.
+    wide, _ = costs(sharing=8)
+    wide.prefill.value = 0.001
+    wide.loaded("nfs", seconds=0.03, tokens=1000)
+    assert wide.budget("nfs", 1000) == pytest.approx(0.13)
+    one, _ = costs(sharing=1)  # one at a time: 2 x 30 ms is under the floor of a tenth
+    one.prefill.value = 0.001
+    one.loaded("nfs", seconds=0.03, tokens=1000)
+    assert one.budget("nfs", 1000) == pytest.approx(0.1)
 
 
 def test_the_claim_waits_behind_the_tokens_queued_on_its_tier():
