@@ -25,8 +25,8 @@ seconds per token, from what the engine itself does:
 ``claimable`` cuts a hit before its first chunk whose tier loads slower
 than prefill computes; chunks in host memory always pay off (a memcpy).
 It also sees the queue: a new load starts behind the loads in flight or
-pending on its tier (the worker's loader reads `load_threads`, two by default, at a time, in
-submission order, and the tier's bandwidth is shared by them), so it ends
+pending on its tier (the worker's loader reads `load_threads` loads, one
+by default, at a time, in submission order, sharing the tier's bandwidth), so it ends
 after about (tokens ahead, not yet done, + its own) x the tier's rate.
 Because that rate is a one-load-alone rate, the sum counts the queue
 once: a rate measured as wall time per token under the loader's
@@ -107,7 +107,7 @@ class LoadCosts:
     memory_tiers: frozenset[str]  # host memory: always worth loading
     min_step_tokens: int  # steps with fewer scheduled tokens say nothing about prefill
     probe_interval_s: float = 30.0
-    sharing: int = 2  # loads a worker reads at once (load_threads): a load may share the tier with as many
+    sharing: int = 1  # loads a worker reads at once (load_threads): a load may share the tier with as many
     prefill: Rate = field(default_factory=Rate)
     step: Rate = field(default_factory=Rate)  # seconds of a step of decode work (per step, not per token)
     # Seconds per token of steps too small to be prefill work and too large
@@ -124,7 +124,7 @@ class LoadCosts:
     @classmethod
     def seeded(cls, memory_tiers: Iterable[str], min_step_tokens: int, prefill_tokens_per_s: float | None,
                tier_seconds_per_token: dict[str, float], probe_interval_s: float = 30.0,
-               sharing: int = 2) -> "LoadCosts":
+               sharing: int = 1) -> "LoadCosts":
         costs = cls(frozenset(memory_tiers), min_step_tokens, probe_interval_s, max(1, sharing))
         if prefill_tokens_per_s:
             costs.prefill.value = 1.0 / prefill_tokens_per_s

@@ -83,12 +83,12 @@ def test_a_load_budget_is_its_expected_time_with_a_bounded_margin_over_recompute
     # Rate unknown: a tenth of recomputing, so a load that brings nothing
     # costs its request 1.1 x recompute.
     assert c.budget("shared", 1000) == pytest.approx(0.1)
-    c.loaded("disk", seconds=0.01, tokens=1000)  # 10 ms expected: 4 x that is within the floor
+    c.loaded("disk", seconds=0.01, tokens=1000)  # 10 ms expected: 2 x that is within the floor
     assert c.budget("disk", 1000) == pytest.approx(0.1)
-    c.loaded("nfs", seconds=0.03, tokens=1000)  # 30 ms expected: 4 x that, 120 ms
-    assert c.budget("nfs", 1000) == pytest.approx(0.12)
-    c.loaded("s3", seconds=0.5, tokens=1000)  # 500 ms expected: 4 x that passes expected + 100 ms
-    assert c.budget("s3", 1000) == pytest.approx(0.6)
+    c.loaded("nfs", seconds=0.15, tokens=1000)  # 150 ms expected: 2 x that passes expected + 100 ms
+    assert c.budget("nfs", 1000) == pytest.approx(0.25)
+    c.loaded("s3", seconds=0.06, tokens=1000)  # 60 ms expected: 2 x that, 120 ms
+    assert c.budget("s3", 1000) == pytest.approx(0.12)
     assert c.budget("memory", 1000) == pytest.approx(0.1)
     # Eight loads read at once (load_threads 8): a load may take 16 x its
     # expected time sharing the tier, still capped at expected + a tenth.
@@ -96,10 +96,7 @@ def test_a_load_budget_is_its_expected_time_with_a_bounded_margin_over_recompute
     wide.prefill.value = 0.001
     wide.loaded("nfs", seconds=0.03, tokens=1000)
     assert wide.budget("nfs", 1000) == pytest.approx(0.13)
-    one, _ = costs(sharing=1)  # one at a time: 2 x 30 ms is under the floor of a tenth
-    one.prefill.value = 0.001
-    one.loaded("nfs", seconds=0.03, tokens=1000)
-    assert one.budget("nfs", 1000) == pytest.approx(0.1)
+    assert c.budget("nfs", 1000) > 0  # (one at a time, above: 2 x its expected time)
 
 
 def test_the_claim_waits_behind_the_tokens_queued_on_its_tier():
@@ -400,7 +397,7 @@ def test_spin_during_loads_is_a_connector_key():
 def test_load_threads_is_a_whole_number_of_loads_read_at_once(value):
     from kvtier.integrations.vllm.settings import parse_connector_keys
 
-    assert parse_connector_keys({}, ["shared"]).load_threads == 2
+    assert parse_connector_keys({}, ["shared"]).load_threads == 1
     assert parse_connector_keys({"load_threads": 8}, ["shared"]).load_threads == 8
     with pytest.raises(ConfigError) as err:
         parse_connector_keys({"load_threads": value}, ["shared"])
