@@ -183,7 +183,8 @@ class LoadCosts:
                 and (probe is None or now - probe >= self.probe_interval_s))
 
     def claimable(self, tiers: list[str], tokens: list[int] | None = None,
-                  ahead: Mapping[str, int] | None = None, engine: int = 0) -> tuple[int, str | None]:
+                  ahead: Mapping[str, int] | None = None, engine: int = 0,
+                  waiting: int = 0) -> tuple[int, str | None]:
         """How many leading chunks of a hit (``tiers``: each chunk's slowest
         tier; ``tokens``: each chunk's tokens to load) to claim, and the tier
         that stopped the claim short (None: all of it). ``ahead``: per tier,
@@ -204,26 +205,33 @@ class LoadCosts:
             for tier, k in zip(tiers[:n], tokens[:n]):
                 own[tier] = own.get(tier, 0) + k
             late = next((i for i, tier in enumerate(tiers[:n])
-                         if not self._queue_pays_off(tier, own[tier], ahead.get(tier, 0), engine)), None)
+                         if not self._queue_pays_off(tier, own[tier], ahead.get(tier, 0), engine, waiting)), None)
             if late is None:
                 return n, stopped
             n, stopped = late, tiers[late]
 
-    def _queue_pays_off(self, tier: str, own: int, ahead: int, engine: int = 0) -> bool:
+    def _queue_pays_off(self, tier: str, own: int, ahead: int, engine: int = 0, waiting: int = 0) -> bool:
         """Does loading ``own`` tokens from ``tier`` behind ``ahead`` tokens
-        end before recomputing the ``own`` tokens would, behind the
-        ``engine`` tokens the engine has yet to prefill for requests ahead?
+        cost less than recomputing them, behind the ``engine`` tokens the
+        engine has yet to prefill for requests ahead, with ``waiting``
+        loaded requests that need the engine for their suffixes?
 
-        The load runs while the engine computes those; the request then
-        computes only its suffix. Recomputed, it waits for all of them and
-        then computes its own tokens as well. So the load pays off when it
-        ends before the engine's backlog and its own prefill would."""
+        The load runs while the engine computes that backlog; the request
+        then computes only its suffix. Recomputed, it waits for the backlog
+        and computes its own tokens as well, and while it does, every
+        request whose load ends meanwhile waits for the engine too: a
+        recompute in a burst costs the others as much as it costs itself.
+        So the load pays off when it ends before the backlog and the
+        recompute would, counting that recompute once per request it holds
+        up. Between requests of about one size this is the tier's rate
+        against prefill again; it cuts a small request from waiting behind
+        large loads."""
         if tier in self.memory_tiers or not ahead:
             return True
         load, prefill = self.tiers.get(tier), self.prefill.value
         if load is None or load.value is None or prefill is None:
             return True
-        return (ahead + own) * load.value <= (engine + own) * prefill
+        return (ahead + own) * load.value <= (engine + own * (1 + waiting)) * prefill
 
     def budget(self, tier: str, tokens: int) -> float | None:
         """Seconds a load of ``tokens`` from ``tier`` (its slowest) may read,

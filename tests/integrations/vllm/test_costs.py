@@ -118,6 +118,12 @@ def test_the_claim_waits_behind_the_tokens_queued_on_its_tier():
     # more) but pays for two.
     assert c.claimable(["shared"], [256], {"shared": 300}) == (0, "shared")
     assert c.claimable(["shared", "shared"], [256, 256], {"shared": 300}) == (2, None)
+    # With loaded requests waiting for the engine, a recompute holds each of
+    # them up for its own prefill: 2048 ahead no longer outweighs it when
+    # two requests wait ((2048 + 1024) x 0.5 ms = 1.536 s <= 1024 x 3 x 1 ms),
+    # but a small request still does not wait behind large loads.
+    assert c.claimable(tiers, tokens, {"shared": 2048}, waiting=2) == (4, None)
+    assert c.claimable(["shared"], [64], {"shared": 4096}, waiting=2) == (0, "shared")
 
 
 def test_a_ruled_out_tier_is_probed_once_per_interval_and_used_again_once_it_recovers():
@@ -245,9 +251,13 @@ def _claim(s, rid, tokens=TOK[:20], blocks=(10, 11, 12, 13, 14)):
 
 def test_a_claim_counts_the_loads_queued_ahead_on_its_tier(tmp_path):
     """The disk loads a token in 0.6 ms, the engine computes one in 1 ms: a
-    request alone loads its 16 tokens; a second one with another 16 pending
-    ahead of it would wait 19.2 ms for 16 ms of prefill, so it recomputes.
-    Once the first load is done the next claim pays off again."""
+    request alone loads its 16 tokens. A second one with another 16 pending
+    ahead of it would wait 19.2 ms for 16 ms of prefill; with a third load
+    of 16 ahead, 28.8 ms. Recomputing it would hold up the loaded requests
+    waiting for the engine: 16 ms each, so b (one waiting: 32 ms) is loaded,
+    and so is c (two waiting: 48 ms). Without loads waiting for the engine
+    nothing holds a recompute back: a load that would wait 1.2 s behind a
+    large queue is left to the engine."""
     s, store = _disk_scheduler(tmp_path)
     try:
         store_chunks(s, TOK, [C, C])
@@ -257,13 +267,12 @@ def test_a_claim_counts_the_loads_queued_ahead_on_its_tier(tmp_path):
         queued = s.metrics.recompute_decisions.labels("disk", "queued")
         before = queued._value.get()
         assert _claim(s, "a") == 16
-        assert _claim(s, "b") == 0
-        assert queued._value.get() - before == 1
-        s.build_connector_meta(output())
-        s.update_connector_output(SimpleNamespace(finished_recving={"a"}, invalid_block_ids=set(),
-                                                  failed_recving=set(),
-                                                  kv_connector_worker_meta=KVTierWorkerMeta({"a": (0.0096, 16)})))
+        assert _claim(s, "b") == 16
         assert _claim(s, "c") == 16
+        assert queued._value.get() == before
+        # Only c's tier queue, no loaded request waiting for the engine: a
+        # queue of 2000 tokens (1.2 s) outweighs 16 ms of prefill.
+        assert s.costs.claimable(["disk"], [16], {"disk": 2000}, waiting=0) == (0, "disk")
     finally:
         s.close()
         store.close()
