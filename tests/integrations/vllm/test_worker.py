@@ -126,21 +126,21 @@ def test_a_load_stops_at_its_budget_keeping_the_chunks_that_arrived(rig):
 
 
 def test_a_load_stops_when_what_arrived_shows_the_rest_reads_slower_than_prefill(rig):
-    """An engine that computes a token in a nanosecond: after the first
-    chunk the rest is projected to read slower than it recomputes, so the
-    load stops there. At a second per token it reads everything."""
+    """An engine that computes a token in a nanosecond: after two chunks
+    the rest is projected to read slower than it recomputes, so the load
+    stops there. At a second per token it reads everything."""
     store, worker, caches = rig
-    job, _ = _stored_job(store, worker, "fast-engine", 12, 3, budget_s=60.0, prefill_s_per_token=1e-9)
+    job, _ = _stored_job(store, worker, "fast-engine", 12, 4, budget_s=60.0, prefill_s_per_token=1e-9)
     worker.start_load_kv(KVTierMetadata(loads=[job]))
     _finish(worker, "fast-engine")
-    assert _block_holds(caches, 1, 1)
-    assert worker.get_block_ids_with_load_errors() == {2, 3}
+    assert _block_holds(caches, 1, 1) and _block_holds(caches, 2, 2)
+    assert worker.get_block_ids_with_load_errors() == {3, 4}
     assert worker.worker_meta().stopped == {"fast-engine": "projected"}
 
-    job, _ = _stored_job(store, worker, "slow-engine", 13, 3, first_block=4, budget_s=60.0, prefill_s_per_token=1.0)
+    job, _ = _stored_job(store, worker, "slow-engine", 13, 3, first_block=5, budget_s=60.0, prefill_s_per_token=1.0)
     worker.start_load_kv(KVTierMetadata(loads=[job]))
     _finish(worker, "slow-engine")
-    assert all(_block_holds(caches, 4 + i, i + 1) for i in range(3))
+    assert all(_block_holds(caches, 5 + i, i + 1) for i in range(3))
     assert worker.get_block_ids_with_load_errors() == set()
     assert worker.worker_meta().stopped == {}
 
