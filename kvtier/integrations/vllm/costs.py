@@ -110,10 +110,6 @@ class LoadCosts:
     sharing: int = 1  # loads a worker reads at once (load_threads): a load may share the tier with as many
     prefill: Rate = field(default_factory=Rate)
     step: Rate = field(default_factory=Rate)  # seconds of a step of decode work (per step, not per token)
-    # Seconds per token of steps too small to be prefill work and too large
-    # to be decode: a loaded request's suffix is such a step, and costs more
-    # per token than a long prefill (small matrix products use a CPU worse).
-    small: Rate = field(default_factory=Rate)
     tiers: dict[str, Rate] = field(default_factory=dict)
     clock: Callable[[], float] = time.monotonic
     # Steps scheduled whose output has not come back: (when built, tokens).
@@ -146,9 +142,7 @@ class LoadCosts:
         start, self._last_done = max(built, self._last_done), now
         if tokens >= self.min_step_tokens:
             self.prefill.observe(now - start, tokens, now)
-        elif tokens > DECODE_STEP_TOKENS:
-            self.small.observe(now - start, tokens, now)
-        elif tokens > 0:
+        elif 0 < tokens <= DECODE_STEP_TOKENS:
             self.step.observe(now - start, 1, now)
 
     def loaded(self, tier: str, seconds: float, tokens: int) -> None:
@@ -265,9 +259,8 @@ class LoadCosts:
         the last rises by at most half a suffix's share. Where a step's
         fixed cost dominates (GPUs: computing eight suffixes together costs
         about what one does), all at once is better, and stays."""
-        per_token = self.small.value if self.small.value is not None else self.prefill.value
-        step = self.step.value
-        return per_token is not None and step is not None and suffix_tokens * per_token > PACE_MARGIN * step
+        prefill, step = self.prefill.value, self.step.value
+        return prefill is not None and step is not None and suffix_tokens * prefill > PACE_MARGIN * step
 
     def measured(self, tier: str) -> bool:
         """Whether ``tier``'s load rate is known (host memory needs none)."""
