@@ -27,11 +27,11 @@ configurations at once (they would share the cores):
                        drive, the same device read through the kernel's block
                        throttle at --local-ratio of the rate fio measured on
                        it in the same run (blkio.py)
-    kvtier-shared-serial, kvtier-shared-fair
-                       the shared tier with its loads read one at a time in
-                       the order they were claimed (load_threads 1), or all
-                       at once sharing the device (load_threads 64); the
-                       default reads two at a time
+    kvtier-shared-pairs, kvtier-shared-fair
+                       the shared tier with its loads read two at a time
+                       (load_threads 2), or all at once sharing the device
+                       (load_threads 64); the default reads one at a time,
+                       in the order they were claimed
     kvtier-staged      kvtier, a memory tier of --staging bytes above the shared
                        tier, smaller than what a burst loads at once (both
                        tiers' copies dropped before each cold phase): every
@@ -109,7 +109,7 @@ READ_PATHS = {
 # Store options of the configurations that differ from the default in more
 # than their tier (the read buffers' pages), and the connector's.
 STORE_OPTIONS = {"kvtier-shared-4k": {"huge_pages": False}}
-LOAD_ORDERS = {"kvtier-shared-serial": {"load_threads": 1}, "kvtier-shared-fair": {"load_threads": 64}}
+LOAD_ORDERS = {"kvtier-shared-pairs": {"load_threads": 2}, "kvtier-shared-fair": {"load_threads": 64}}
 ALL_CONFIGS = (CONFIGS + ("kvtier-local-disk", "kvtier-local-drive", "kvtier-staged", "kvtier-throttled")
                + tuple(READ_PATHS) + tuple(LOAD_ORDERS))
 WORKLOADS = ("w1", "w2", "w3", "w0")

@@ -172,7 +172,7 @@ def _floors(by: dict, device: dict, levels: list[int], ratio: float) -> None:
     """The floor of each kvtier configuration at each level, in place."""
     best = device.get("best_gbps")
     for name, v in by.items():
-        rate = {"kvtier-shared": best, "kvtier-staged": best, "kvtier-shared-serial": best, "kvtier-shared-fair": best,
+        rate = {"kvtier-shared": best, "kvtier-staged": best, "kvtier-shared-pairs": best, "kvtier-shared-fair": best,
                 "kvtier-local-drive": best * ratio if best else None}.get(name.removesuffix("+mp"))
         s = v["engine_s"]
         for c in levels:

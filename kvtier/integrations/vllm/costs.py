@@ -25,8 +25,8 @@ seconds per token, from what the engine itself does:
 ``claimable`` cuts a hit before its first chunk whose tier loads slower
 than prefill computes; chunks in host memory always pay off (a memcpy).
 It also sees the queue: a new load starts behind the loads in flight or
-pending on its tier (the worker's loader reads `load_threads`, two by default, at a time, in
-submission order, and the tier's bandwidth is shared by them), so it ends
+pending on its tier (the worker's loader reads `load_threads` loads, one
+by default, at a time, in submission order, sharing the tier's bandwidth), so it ends
 after about (tokens ahead, not yet done, + its own) x the tier's rate.
 Because that rate is a one-load-alone rate, the sum counts the queue
 once: a rate measured as wall time per token under the loader's
@@ -107,13 +107,9 @@ class LoadCosts:
     memory_tiers: frozenset[str]  # host memory: always worth loading
     min_step_tokens: int  # steps with fewer scheduled tokens say nothing about prefill
     probe_interval_s: float = 30.0
-    sharing: int = 2  # loads a worker reads at once (load_threads): a load may share the tier with as many
+    sharing: int = 1  # loads a worker reads at once (load_threads): a load may share the tier with as many
     prefill: Rate = field(default_factory=Rate)
     step: Rate = field(default_factory=Rate)  # seconds of a step of decode work (per step, not per token)
-    # Seconds per token of steps too small to be prefill work and too large
-    # to be decode: a loaded request's suffix is such a step, and costs more
-    # per token than a long prefill (small matrix products use a CPU worse).
-    small: Rate = field(default_factory=Rate)
     tiers: dict[str, Rate] = field(default_factory=dict)
     clock: Callable[[], float] = time.monotonic
     # Steps scheduled whose output has not come back: (when built, tokens).
@@ -124,7 +120,7 @@ class LoadCosts:
     @classmethod
     def seeded(cls, memory_tiers: Iterable[str], min_step_tokens: int, prefill_tokens_per_s: float | None,
                tier_seconds_per_token: dict[str, float], probe_interval_s: float = 30.0,
-               sharing: int = 2) -> "LoadCosts":
+               sharing: int = 1) -> "LoadCosts":
         costs = cls(frozenset(memory_tiers), min_step_tokens, probe_interval_s, max(1, sharing))
         if prefill_tokens_per_s:
             costs.prefill.value = 1.0 / prefill_tokens_per_s
@@ -146,9 +142,7 @@ class LoadCosts:
         start, self._last_done = max(built, self._last_done), now
         if tokens >= self.min_step_tokens:
             self.prefill.observe(now - start, tokens, now)
-        elif tokens > DECODE_STEP_TOKENS:
-            self.small.observe(now - start, tokens, now)
-        elif tokens > 0:
+        elif 0 < tokens <= DECODE_STEP_TOKENS:
             self.step.observe(now - start, 1, now)
 
     def loaded(self, tier: str, seconds: float, tokens: int) -> None:
@@ -183,7 +177,8 @@ class LoadCosts:
                 and (probe is None or now - probe >= self.probe_interval_s))
 
     def claimable(self, tiers: list[str], tokens: list[int] | None = None,
-                  ahead: Mapping[str, int] | None = None, engine: int = 0) -> tuple[int, str | None]:
+                  ahead: Mapping[str, int] | None = None, engine: int = 0,
+                  waiting: int = 0) -> tuple[int, str | None]:
         """How many leading chunks of a hit (``tiers``: each chunk's slowest
         tier; ``tokens``: each chunk's tokens to load) to claim, and the tier
         that stopped the claim short (None: all of it). ``ahead``: per tier,
@@ -204,26 +199,33 @@ class LoadCosts:
             for tier, k in zip(tiers[:n], tokens[:n]):
                 own[tier] = own.get(tier, 0) + k
             late = next((i for i, tier in enumerate(tiers[:n])
-                         if not self._queue_pays_off(tier, own[tier], ahead.get(tier, 0), engine)), None)
+                         if not self._queue_pays_off(tier, own[tier], ahead.get(tier, 0), engine, waiting)), None)
             if late is None:
                 return n, stopped
             n, stopped = late, tiers[late]
 
-    def _queue_pays_off(self, tier: str, own: int, ahead: int, engine: int = 0) -> bool:
+    def _queue_pays_off(self, tier: str, own: int, ahead: int, engine: int = 0, waiting: int = 0) -> bool:
         """Does loading ``own`` tokens from ``tier`` behind ``ahead`` tokens
-        end before recomputing the ``own`` tokens would, behind the
-        ``engine`` tokens the engine has yet to prefill for requests ahead?
+        cost less than recomputing them, behind the ``engine`` tokens the
+        engine has yet to prefill for requests ahead, with ``waiting``
+        loaded requests that need the engine for their suffixes?
 
-        The load runs while the engine computes those; the request then
-        computes only its suffix. Recomputed, it waits for all of them and
-        then computes its own tokens as well. So the load pays off when it
-        ends before the engine's backlog and its own prefill would."""
+        The load runs while the engine computes that backlog; the request
+        then computes only its suffix. Recomputed, it waits for the backlog
+        and computes its own tokens as well, and while it does, every
+        request whose load ends meanwhile waits for the engine too: a
+        recompute in a burst costs the others as much as it costs itself.
+        So the load pays off when it ends before the backlog and the
+        recompute would, counting that recompute once per request it holds
+        up. Between requests of about one size this is the tier's rate
+        against prefill again; it cuts a small request from waiting behind
+        large loads."""
         if tier in self.memory_tiers or not ahead:
             return True
         load, prefill = self.tiers.get(tier), self.prefill.value
         if load is None or load.value is None or prefill is None:
             return True
-        return (ahead + own) * load.value <= (engine + own) * prefill
+        return (ahead + own) * load.value <= (engine + own * (1 + waiting)) * prefill
 
     def budget(self, tier: str, tokens: int) -> float | None:
         """Seconds a load of ``tokens`` from ``tier`` (its slowest) may read,
@@ -257,9 +259,8 @@ class LoadCosts:
         the last rises by at most half a suffix's share. Where a step's
         fixed cost dominates (GPUs: computing eight suffixes together costs
         about what one does), all at once is better, and stays."""
-        per_token = self.small.value if self.small.value is not None else self.prefill.value
-        step = self.step.value
-        return per_token is not None and step is not None and suffix_tokens * per_token > PACE_MARGIN * step
+        prefill, step = self.prefill.value, self.step.value
+        return prefill is not None and step is not None and suffix_tokens * prefill > PACE_MARGIN * step
 
     def measured(self, tier: str) -> bool:
         """Whether ``tier``'s load rate is known (host memory needs none)."""

@@ -229,7 +229,8 @@ class KVTierScheduler:
         tokens = [min(starts[i] + k.num_tokens, hit.tokens) - max(starts[i], lo)
                   for i, k in enumerate(hit.keys) if i >= first]
         ahead = self._queued_tokens()
-        n, stopped = self.costs.claimable(hit.tiers[first:], tokens, ahead, self._engine_backlog(st))
+        waiting = sum(1 for other in self._reqs.values() if other.loading_blocks is not None and not other.sync_load)
+        n, stopped = self.costs.claimable(hit.tiers[first:], tokens, ahead, self._engine_backlog(st), waiting)
         end = hit.tokens if first + n >= len(hit.keys) else max(lo, starts[first + n])
         if stopped is not None and end < hit.tokens:
             reason = "queued" if ahead.get(stopped) and self.costs.pays_off(stopped) else "cut"

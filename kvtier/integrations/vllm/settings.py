@@ -102,8 +102,10 @@ class Settings:
     # (enginewait.py; by default the engine core blocks instead).
     spin_during_loads: bool = False
     # Asynchronous loads a worker reads at once, the rest queued in the
-    # order they were claimed (worker.py).
-    load_threads: int = 2
+    # order they were claimed (worker.py). One: each load has the device to
+    # itself and the loads of a burst end one after another, the first
+    # soon, instead of all near the end of the burst.
+    load_threads: int = 1
 
     def with_page(self, page: str) -> "Settings":
         """These settings with the workers' page layout in the namespace."""
@@ -170,7 +172,7 @@ class ConnectorKeys:
     io_cpus: str | frozenset[int] = "auto"
     decision: LoadDecision = field(default_factory=LoadDecision)
     spin_during_loads: bool = False
-    load_threads: int = 2
+    load_threads: int = 1
 
 
 def connector_section(path: str | None, environ=os.environ) -> dict:
@@ -198,10 +200,10 @@ def parse_connector_keys(own: dict, tier_names: list[str]) -> ConnectorKeys:
         raise ConfigError(f"{SECTION}.model_fingerprint", f"expected a string, got {fingerprint!r}",
                           'write "full", or a string that names these weights (e.g. the hub commit)')
     spin = parse_bool(own.pop("spin_during_loads", False), f"{SECTION}.spin_during_loads")
-    threads = own.pop("load_threads", 2)
+    threads = own.pop("load_threads", 1)
     if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 64:
         raise ConfigError(f"{SECTION}.load_threads", f"expected a whole number from 1 to 64, got {threads!r}",
-                          "write e.g. load_threads: 2 (loads read at once; the rest wait their turn)")
+                          "write e.g. load_threads: 1 (loads read at once; the rest wait their turn)")
     return ConnectorKeys(None if fingerprint is None else str(fingerprint), own.pop("share_tp_sizes", None),
                          parse_io_cpus(own.pop("io_cpus", "auto")), parse_load_decision(own, tier_names), spin,
                          threads)

@@ -51,6 +51,9 @@ log = logging.getLogger(__name__)
 # every hand-off between kvtier's I/O threads then waits out Python's switch
 # interval (5 ms): that cost ~15 ms per resumed request before this wait.
 _IDLE_WAIT_S = 0.005
+# A load is stopped early only when the chunks that arrived read this many
+# times slower than the engine computes (``_InFlight.projected_late``).
+_PROJECTED_MARGIN = 2.0
 
 
 class KVTierWorker:
@@ -509,15 +512,19 @@ class _InFlight:
 
     def projected_late(self, now: float, block_size: int) -> bool:
         """Will the rest of this load, read at the pace of the chunks that
-        arrived so far, take longer than recomputing the rest?"""
+        arrived so far, take far longer than recomputing the rest? Judged
+        from two chunks at least, and only at ``_PROJECTED_MARGIN`` x
+        prefill's pace: on a host whose cores the engine keeps busy, the
+        loader thread itself can be held up for a step, and one late chunk
+        must not cost a long load (the budget still bounds it)."""
         prefill = self.job.prefill_s_per_token
-        if prefill is None or self.reading_since is None:
+        if prefill is None or self.reading_since is None or self.received < 2:
             return False
         got = _tokens(self.job.chunks[:self.received], block_size)
         left = _tokens(self.job.chunks[self.received:], block_size)
         if got <= 0 or left <= 0:
             return False
-        return left * (now - self.reading_since) / got > left * prefill
+        return (now - self.reading_since) / got > _PROJECTED_MARGIN * prefill
 
     def loaded_tokens(self, block_size: int) -> int:
         """Tokens this load brought into the engine (chunks copied in)."""

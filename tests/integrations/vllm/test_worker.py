@@ -27,9 +27,9 @@ LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(NS.num_layers)]
 NUM_BLOCKS = 8
 
 
-def _worker(cfg, topology: Topology, heads: int = NS.num_kv_heads) -> tuple[KVTierWorker, dict]:
+def _worker(cfg, topology: Topology, heads: int = NS.num_kv_heads, load_threads: int = 1) -> tuple[KVTierWorker, dict]:
     """A worker of ``topology`` whose rank holds ``heads`` KV heads."""
-    settings = Settings(cfg, NS, BS, NS.num_layers, "float16", topology)
+    settings = Settings(cfg, NS, BS, NS.num_layers, "float16", topology, load_threads=load_threads)
     store = TieredStore(settings.shard_config(topology.own_shard))
     worker = KVTierWorker(settings, store, LAYERS, NUM_BLOCKS, connector_metrics())
     # vLLM's CPU attention layout: [blocks, kv heads, block size, 2 * head dim].
@@ -39,11 +39,11 @@ def _worker(cfg, topology: Topology, heads: int = NS.num_kv_heads) -> tuple[KVTi
 
 
 @pytest.fixture
-def rig(tmp_path):
+def rig(tmp_path, request):
     cfg = parse_store_config({"chunk_tokens": BS, "load_timeout_s": 60, "tiers": [
         {"kind": "memory", "capacity": "1MiB"},
         {"kind": "disk", "path": str(tmp_path / "disk"), "capacity": "1MiB", "io_threads": 4}]})
-    worker, caches = _worker(cfg, Topology(1, 0))
+    worker, caches = _worker(cfg, Topology(1, 0), load_threads=getattr(request, "param", 1))
     yield worker.store, worker, caches
     worker.close()
 
@@ -126,25 +126,26 @@ def test_a_load_stops_at_its_budget_keeping_the_chunks_that_arrived(rig):
 
 
 def test_a_load_stops_when_what_arrived_shows_the_rest_reads_slower_than_prefill(rig):
-    """An engine that computes a token in a nanosecond: after the first
-    chunk the rest is projected to read slower than it recomputes, so the
-    load stops there. At a second per token it reads everything."""
+    """An engine that computes a token in a nanosecond: after two chunks
+    the rest is projected to read slower than it recomputes, so the load
+    stops there. At a second per token it reads everything."""
     store, worker, caches = rig
-    job, _ = _stored_job(store, worker, "fast-engine", 12, 3, budget_s=60.0, prefill_s_per_token=1e-9)
+    job, _ = _stored_job(store, worker, "fast-engine", 12, 4, budget_s=60.0, prefill_s_per_token=1e-9)
     worker.start_load_kv(KVTierMetadata(loads=[job]))
     _finish(worker, "fast-engine")
-    assert _block_holds(caches, 1, 1)
-    assert worker.get_block_ids_with_load_errors() == {2, 3}
+    assert _block_holds(caches, 1, 1) and _block_holds(caches, 2, 2)
+    assert worker.get_block_ids_with_load_errors() == {3, 4}
     assert worker.worker_meta().stopped == {"fast-engine": "projected"}
 
-    job, _ = _stored_job(store, worker, "slow-engine", 13, 3, first_block=4, budget_s=60.0, prefill_s_per_token=1.0)
+    job, _ = _stored_job(store, worker, "slow-engine", 13, 3, first_block=5, budget_s=60.0, prefill_s_per_token=1.0)
     worker.start_load_kv(KVTierMetadata(loads=[job]))
     _finish(worker, "slow-engine")
-    assert all(_block_holds(caches, 4 + i, i + 1) for i in range(3))
+    assert all(_block_holds(caches, 5 + i, i + 1) for i in range(3))
     assert worker.get_block_ids_with_load_errors() == set()
     assert worker.worker_meta().stopped == {}
 
 
+@pytest.mark.parametrize("rig", [2], indirect=True)  # load_threads 2: two loads read at once
 def test_loads_reading_at_once_are_each_charged_their_share_of_the_time(rig):
     """Two loads read side by side for about half a second: each reports
     about half of it (the tier's one-load-alone time, costs.py), not all."""
