@@ -209,9 +209,11 @@ def _checks(s: dict) -> dict:
             fs, fl = shared["floor"], local["floor"]
             c = int(top)
             predicted = pct(floor(fl["load_s"], fs["engine_s"], c), 0.5) / fs["p50_s"]
+            x = local["ttft_p50_s"] / shared["ttft_p50_s"]
+            # Met when the measured ratio is the predicted one within 20 %:
+            # the direction where the device bounds, ~1 where the engine does.
             out[f"{case}: local drive over shared, TTFT p50 at {top} (floor predicts {predicted:.2f})"] = {
-                "value": local["ttft_p50_s"] / shared["ttft_p50_s"], "predicted": predicted, "bar": None,
-                "met": local["ttft_p50_s"] >= shared["ttft_p50_s"]}
+                "value": x, "predicted": predicted, "bar": None, "met": abs(x - predicted) <= 0.2 * predicted}
         slow = by.get("kvtier-throttled", {}).get("levels", {})
         for c, lv in slow.items():
             base = by.get("recompute", {}).get("levels", {}).get(c)
