@@ -155,10 +155,14 @@ def test_two_servers_resume_each_others_sessions_and_kvtier_serve_stops_cleanly(
     cfg_a, cfg_b = tmp_path / "a.yaml", tmp_path / "b.yaml"
     # A's memory tier is the node's (shm): a folder of this test's own.
     node_memory = Path(tempfile.mkdtemp(prefix="kvs-node-", dir="/dev/shm"))
+    # The hits asserted here must not hang on timing: a tiny model computes a
+    # token about as fast as a tier loads it, so under load_decision auto a
+    # server may rightly recompute (the decision has tests of its own).
+    always = "vllm:\n  load_decision: always\n"
     cfg_a.write_text(f"node_memory_dir: {node_memory}\n"
                      f"tiers:\n  - kind: memory\n    capacity: 64MiB\n"
-                     f"  - kind: shared\n    path: {shared}\n    capacity: 256MiB\n")
-    cfg_b.write_text(f"tiers:\n  - kind: shared\n    path: {shared}\n    capacity: 256MiB\n")
+                     f"  - kind: shared\n    path: {shared}\n    capacity: 256MiB\n" + always)
+    cfg_b.write_text(f"tiers:\n  - kind: shared\n    path: {shared}\n    capacity: 256MiB\n" + always)
     wl = workload()
     port_a, port_b = free_port(), free_port()
     url_a, url_b = f"http://127.0.0.1:{port_a}", f"http://127.0.0.1:{port_b}"
@@ -264,7 +268,7 @@ def test_two_servers_resume_each_others_sessions_and_kvtier_serve_stops_cleanly(
         # tokens per tier: B has the shared tier alone and too few blocks to
         # keep a session, like the in-process kvtier-shared configuration.
         common = ("bench", "resume", "--workload", "w1", "--contexts", str(CONTEXT), "--sessions", "3",
-                  "--model", "tiny-llama", "--seed", "1000", "--no-progress")
+                  "--model", "tiny-llama", "--seed", "1000", "--no-progress", "--load-decision", "always")
         ep = subprocess.run(kvtier_cmd(*common, "--endpoint", url_b, "--label", "server-b", "--dir",
                                        str(tmp_path / "ep"), "--json", str(tmp_path / "ep.json")),
                             cwd=REPO, capture_output=True, text=True, timeout=300)
