@@ -57,10 +57,14 @@ def exported() -> dict[str, MetricWrapperBase]:
 
 def defined_in_source() -> set[str]:
     """Base names of every prometheus_client metric constructed in kvtier's
-    source (``{p}`` is the store's prefix, ``kvtier``)."""
+    modules that import prometheus_client (``{p}`` is the store's prefix,
+    ``kvtier``)."""
     names = set()
     for path in (ROOT / "kvtier").rglob("*.py"):
-        for m in _DEFINED.finditer(path.read_text()):
+        text = path.read_text()
+        if not re.search(r"^\s*(?:from|import) prometheus_client\b", text, re.MULTILINE):
+            continue
+        for m in _DEFINED.finditer(text):
             names.add(base(m.group(2).replace("{p}", "kvtier")))
     return names
 
