@@ -23,7 +23,7 @@ BUFFERED_STREAMS = 16
 # with SHM_HUGETLB, from the kernel's reserved pool, ``vm.nr_hugepages``).
 # kvtier reads into buffers on transparent huge pages; fio's default buffers
 # are malloc'd, on 4 KiB pages where transparent huge pages are "madvise".
-# Measured on this project's VM (docs/benchmarks.md, "fio's buffers"): an
+# Measured on this project's VM (docs/benchmarks.md): an
 # O_DIRECT read pins every page of its buffer, and on 4 KiB pages fio read
 # 3 MiB requests at qd8 at 2.17 GB/s for 0.037 CPU s/GB, on huge pages at
 # 3.20 GB/s for 0.0075.
@@ -150,8 +150,7 @@ def fio_files_read(root: Path, block_bytes: int, iodepth: int, huge_pages: bool 
     reads them), ``iodepth`` at once. The device's rate for the very bytes a
     cold load reads, where the file system put them, with no kvtier code in
     the way: on a disk whose speed differs by region, fio's own freshly
-    laid-out files may lie elsewhere
-    (docs/benchmarks.md, "Where the bytes lie")."""
+    laid-out files may lie elsewhere (docs/benchmarks.md)."""
     cmd = [
         _fio(),
         "--name=kvtier-objects",

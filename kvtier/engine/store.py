@@ -123,8 +123,7 @@ class TieredStore:
         lookup there would only repeat the reads' own work ahead of them (a
         check per chunk before its open: on a shared file system, one more
         round trip to its metadata server per chunk; measured in
-        docs/benchmarks.md, "No lookup ahead of a load, and a tapered
-        window"). The plan's ``chunks`` and ``tokens`` then count what was
+        docs/benchmarks.md). The plan's ``chunks`` and ``tokens`` then count what was
         asked for, not hits."""
         pos, segments = 0, []
         tiers = [t for t in self.tiers if t.name not in skip]

@@ -60,8 +60,7 @@ _POLL_S = 0.05
 # while the next is still on the device, and its checks run then: with
 # three quarters, each batch is a quarter of the one before, which hides
 # its checks wherever they run at least 4x the device's rate (XXH3: about
-# 20 GB/s a core). Measured in docs/benchmarks.md, "No lookup ahead of a
-# load, and a tapered window".
+# 20 GB/s a core). Measured in docs/benchmarks.md.
 _TAPER = 0.75
 
 

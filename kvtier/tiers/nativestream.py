@@ -8,7 +8,7 @@ parsed and checked by ``codec.decode``, the payload's checksum already
 compared by the loop). Nothing is handed between Python threads per
 object: the Python driver (``AioStream``) costs a wake-up and a GIL
 hand-off from driver to verification job to consumer for each object, about
-half of a cold load's CPU (docs/benchmarks.md, "A native read loop").
+half of a cold load's CPU (docs/benchmarks.md).
 
 It answers to the same calls as ``AioStream`` (``iter``, ``stop``,
 ``failed``, ``delivers``, ``path``), with the same rules: reads land in

@@ -6,8 +6,7 @@ Why: a load can read slower than the device for lack of reads in flight
 checked and copied), and the rate alone does not say which. The trace
 splits each load's time with nothing in flight into those three parts
 (``idle_per_load``); ``kvtier bench storage`` reports their medians for
-the AIO path (docs/benchmarks.md, "Checks in the consumer's order", found
-the tail this way).
+the AIO path (docs/benchmarks.md).
 
 Threads: the AIO driver records its reads (``io``), the load's caller
 marks its begin and end (``mark``); both append to one list, which is safe

@@ -8,8 +8,8 @@ spinning: ``SpinCondition.wait`` calls ``sched_yield`` in a loop (vLLM
 one core busy for the whole step. A step that loads a session from storage
 needs cores beside the model's own threads: reading, verifying and copying
 in. On a host with few cores per engine the spin takes one of them, and a
-cold 8k resume's reads took 163 against 102 ms (docs/benchmarks.md, "Process
-topologies"; with the spin off, 96 against 96 ms).
+cold 8k resume's reads took 163 against 102 ms (docs/benchmarks.md; with the
+spin off, 96 against 96 ms).
 
 So while a load of this engine is in flight, the engine core waits the way
 vLLM itself waits when idle: blocked on the queue's notification socket,
