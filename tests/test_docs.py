@@ -53,7 +53,7 @@ HISTORY = {
     "the design notes": re.compile(r"DESIGN\.md"),
     "an issue number": re.compile(r"\bissues?\s*#\s*\d+|\(#\d+\)", re.IGNORECASE),
     "a numbered session": re.compile(
-        r"\b(?:" + "|".join(_ORDINALS) + r"|\d+(?:st|nd|rd|th))[ -]sessions?\b", re.IGNORECASE),
+        r"\b(?:" + "|".join(_ORDINALS) + r"|\d+(?:st|nd|rd|th))[ -]session\b", re.IGNORECASE),
     "a dated session": re.compile(
         r"\bsession of (?:the )?(?:" + "|".join(_MONTHS) + r")\b", re.IGNORECASE),
     "a development session": re.compile(
@@ -109,6 +109,7 @@ def test_history_patterns_catch_what_they_name(text: str):
     "kvtier bench resume --sessions 3",
     "the next session to return",
     "sessions of 5 turns each",
+    "a burst's first sessions start early",
     "upstream (vllm PR #55191)",
 ])
 def test_history_patterns_leave_the_product_alone(text: str):
