@@ -127,7 +127,10 @@ class KVTierConnector(KVConnectorBase_V1):
         self._worker.register_kv_caches(kv_caches, backend=_backend_name(self._vllm_config, self._worker.layer_names))
 
     def build_connector_worker_meta(self):
-        return self._worker.worker_meta() if self._worker is not None else None
+        if self._worker is None:
+            return None
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        return self._worker.worker_meta(meta.step if isinstance(meta, KVTierMetadata) else 0)
 
     def get_handshake_metadata(self) -> PageHandshake | None:
         if self._worker is None or self._worker.layout is None:

@@ -12,7 +12,9 @@ seconds per token, from what the engine itself does:
   exponentially weighted mean; seeded by ``prefill_tokens_per_s``. A step
   runs from when the scheduler built it (or, when vLLM schedules ahead,
   from the end of the step before it) to when its output came back, so
-  the engine's idle time between requests never counts as prefill;
+  the engine's idle time between requests never counts as prefill. Each
+  output is matched to its step by the number the workers send back, and
+  the engine's first forward (one-time costs) is not counted;
 - **each tier's load**: the workers' own read time of every finished
   asynchronous load (reported through vLLM's worker metadata, the slowest
   rank's), over the tokens it loaded, charged to the slowest tier it read
@@ -112,8 +114,10 @@ class LoadCosts:
     step: Rate = field(default_factory=Rate)  # seconds of a step of decode work (per step, not per token)
     tiers: dict[str, Rate] = field(default_factory=dict)
     clock: Callable[[], float] = time.monotonic
-    # Steps scheduled whose output has not come back: (when built, tokens).
+    # Steps scheduled whose output has not come back: (number, when built, tokens).
     _steps: collections.deque = field(default_factory=lambda: collections.deque(maxlen=8))
+    _numbered: int = 0  # the last step's number
+    _warm: bool = False  # the engine ran its first forward
     _last_done: float = -math.inf  # when the last step's output came back
     _probing: dict[str, float] = field(default_factory=dict)  # tier -> when a probe of it was claimed
 
@@ -129,17 +133,39 @@ class LoadCosts:
         return costs
 
     # ------------------------------------------------------------ measuring
-    def step_scheduled(self, scheduled_tokens: int) -> None:
-        """The scheduler built a step of ``scheduled_tokens``."""
-        self._steps.append((self.clock(), scheduled_tokens))
+    def step_scheduled(self, scheduled_tokens: int) -> int:
+        """The scheduler built a step of ``scheduled_tokens``; its number,
+        which the workers send back with the step's output."""
+        self._numbered += 1
+        self._steps.append((self._numbered, self.clock(), scheduled_tokens))
+        return self._numbered
 
-    def step_done(self) -> None:
-        """The oldest step scheduled came back from the workers."""
+    def step_done(self, number: int | None = None) -> None:
+        """The output of step ``number`` came back from the workers.
+
+        Steps are matched by number, not taken in order: vLLM hands the
+        connector no output at all for a step that ran no forward and had
+        nothing to report, and pairing outputs with steps in order would
+        then time each step by the one after it (a prefill step read as a
+        decode step). Steps older than ``number`` that never reported are
+        dropped unmeasured. ``None`` (workers that send no number): the
+        oldest step."""
         if not self._steps:
             return
         now = self.clock()
-        built, tokens = self._steps.popleft()
+        if number is not None:
+            while self._steps and self._steps[0][0] < number:
+                self._steps.popleft()
+            if not self._steps or self._steps[0][0] != number:
+                return
+        _, built, tokens = self._steps.popleft()
         start, self._last_done = max(built, self._last_done), now
+        if tokens > 0 and not self._warm:
+            # The engine's first forward pays its one-time costs (kernels
+            # built, memory first touched): a tiny model's first 600-token
+            # step took 1.9 s where the next 256 took 10 ms.
+            self._warm = True
+            return
         if tokens >= self.min_step_tokens:
             self.prefill.observe(now - start, tokens, now)
         elif 0 < tokens <= DECODE_STEP_TOKENS:

@@ -54,6 +54,9 @@ class KVTierMetadata(KVConnectorMetadata):
     # engine this step, oldest first (0: all): the scheduler paces them
     # when each loaded request's own compute outweighs a step (scheduler.py).
     release: int = 0
+    # The step's number (``LoadCosts.step_scheduled``), sent back with its
+    # output so that the scheduler times each step by its own output.
+    step: int = 0
 
 
 @dataclass
@@ -67,16 +70,21 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):
     still shows its true speed. vLLM merges the ranks' metadata of one step
     with ``aggregate`` (the slowest rank, the fewest tokens, any rank's
     stop); ranks that finish in other steps send theirs then, and the
-    scheduler merges those the same way until vLLM reports the load done."""
+    scheduler merges those the same way until vLLM reports the load done.
+
+    ``step`` is the number of the step this output belongs to; the workers
+    send it every step, so that vLLM never drops a step's output as empty
+    and the scheduler's step timer sees every step (costs.py)."""
 
     reads: dict[str, tuple[float, int]] = field(default_factory=dict)
     stopped: dict[str, str] = field(default_factory=dict)
+    step: int = 0
 
     def aggregate(self, other: "KVTierWorkerMeta") -> "KVTierWorkerMeta":
         merged = dict(self.reads)
         for rid, read in other.reads.items():
             merged[rid] = merge_reads(merged.get(rid), read)
-        return KVTierWorkerMeta(merged, {**other.stopped, **self.stopped})
+        return KVTierWorkerMeta(merged, {**other.stopped, **self.stopped}, max(self.step, other.step))
 
 
 def merge_reads(a: tuple[float, int] | None, b: tuple[float, int]) -> tuple[float, int]:

@@ -346,8 +346,8 @@ class KVTierScheduler:
     # ------------------------------------------------------------ per step
     def build_connector_meta(self, scheduler_output) -> KVTierMetadata:
         scheduled_tokens = getattr(scheduler_output, "total_num_scheduled_tokens", 1)
-        self.costs.step_scheduled(scheduled_tokens)
-        meta = KVTierMetadata(loads=self._pending_loads, idle=not scheduled_tokens, release=self._release())
+        step = self.costs.step_scheduled(scheduled_tokens)
+        meta = KVTierMetadata(loads=self._pending_loads, idle=not scheduled_tokens, release=self._release(), step=step)
         self._pending_loads = []
         if meta.loads:
             self._quiet.loading(True)
@@ -451,14 +451,14 @@ class KVTierScheduler:
             self._measured(tier, seconds, max(tokens, 1))
 
     def update_connector_output(self, output) -> None:
-        self.costs.step_done()  # vLLM hands every step's output here, once
+        timings = getattr(output, "kv_connector_worker_meta", None)
+        self.costs.step_done(timings.step or None if isinstance(timings, KVTierWorkerMeta) else None)
         self._probed()
         if self.costs.prefill.value is not None:
             self.metrics.prefill_seconds_per_token.set(self.costs.prefill.value)
         invalid = set(getattr(output, "invalid_block_ids", None) or ())
         failed_ids = set(getattr(output, "failed_recving", None) or ())
         finished = set(output.finished_recving or ())
-        timings = getattr(output, "kv_connector_worker_meta", None)
         if isinstance(timings, KVTierWorkerMeta):
             for rid, read in timings.reads.items():
                 st = self._reqs.get(rid)

@@ -379,13 +379,14 @@ class KVTierWorker:
             self._errors_to_report |= failed
         return None, finished or None
 
-    def worker_meta(self) -> KVTierWorkerMeta | None:
+    def worker_meta(self, step: int = 0) -> KVTierWorkerMeta | None:
         """The read times of the loads reported finished since the last call
-        (engine thread, once per step): the scheduler's cost model learns
-        each tier's speed from them (costs.py)."""
-        if not self._reads:
+        (engine thread, once per step), with the number of the step: the
+        scheduler's cost model learns each tier's speed and each step's
+        time from them (costs.py). None only when there is neither."""
+        if not self._reads and not step:
             return None
-        meta, self._reads, self._stopped = KVTierWorkerMeta(self._reads, self._stopped), {}, {}
+        meta, self._reads, self._stopped = KVTierWorkerMeta(self._reads, self._stopped, step), {}, {}
         return meta
 
     def _reclaimed(self, p) -> bool:

@@ -35,7 +35,22 @@ class Clock:
 def costs(**kw) -> tuple[LoadCosts, Clock]:
     clock = Clock()
     c = LoadCosts(frozenset({"memory"}), min_step_tokens=256, probe_interval_s=30.0, clock=clock, **kw)
+    c.step_done(c.step_scheduled(1))  # the engine's first forward: never measured
     return c, clock
+
+
+def test_the_engines_first_forward_is_not_measured():
+    clock = Clock()
+    c = LoadCosts(frozenset({"memory"}), min_step_tokens=256, clock=clock)
+    c.step_done(c.step_scheduled(0))  # waiting for loads: computes nothing
+    first = c.step_scheduled(600)
+    clock.now += 1.9  # kernels built, memory first touched
+    c.step_done(first)
+    assert c.prefill.value is None
+    second = c.step_scheduled(256)
+    clock.now += 0.01
+    c.step_done(second)
+    assert c.prefill.value == pytest.approx(0.01 / 256)
 
 
 def test_unknown_rates_claim_everything():
@@ -64,6 +79,32 @@ def test_a_step_scheduled_ahead_starts_when_the_one_before_it_ends():
     clock.now += 1.0
     c.step_done()  # the second ran after it: 1 s, not 2
     assert c.prefill.value == pytest.approx(1.0 / 512)
+
+
+def test_steps_are_timed_by_their_own_output_when_one_never_reports():
+    """vLLM hands no output for a step that ran no forward and had nothing
+    to report: the next output must be timed against its own step, not
+    paired with the silent one (which read a prefill as a decode step)."""
+    c, clock = costs()
+    idle = c.step_scheduled(0)  # waits for loads; its output never comes
+    clock.now += 0.01
+    prefill = c.step_scheduled(1024)
+    clock.now += 1.024
+    c.step_done(prefill)
+    decode = c.step_scheduled(8)
+    clock.now += 0.05
+    c.step_done(decode)
+    assert idle < prefill < decode
+    assert c.prefill.value == pytest.approx(0.001) and c.step.value == pytest.approx(0.05)
+    c.step_done(idle)  # a number already passed: nothing to time
+    assert c.prefill.value == pytest.approx(0.001) and c.step.value == pytest.approx(0.05)
+
+
+def test_workers_send_the_step_number_every_step_and_ranks_agree():
+    from kvtier.integrations.vllm.metadata import KVTierWorkerMeta
+    a, b = KVTierWorkerMeta({"r": (0.5, 256)}, {}, 7), KVTierWorkerMeta({"r": (0.7, 128)}, {"r": "budget"}, 7)
+    merged = a.aggregate(b)
+    assert merged.step == 7 and merged.reads == {"r": (0.7, 128)} and merged.stopped == {"r": "budget"}
 
 
 def test_a_tier_slower_than_prefill_cuts_the_claim_at_its_first_chunk():

@@ -169,14 +169,16 @@ def _unmount_slow(c: Ctx) -> None:
 
 def _throttled() -> RunDef:
     """A fresh process on a shared directory that reads slower than the
-    engine computes: S@bob (a miss) lets kvtier measure prefill, and its
-    save a read-back of the tier; A's load, if the tier's rate is still
+    engine computes: S@bob and S (misses) let kvtier measure prefill (the
+    engine's first forward carries its one-time costs and is not counted,
+    so it takes two), and their saves a read-back of the tier; A's load, if the tier's rate is still
     unknown, stops at its budget; from then on kvtier leaves B and C, which
     it holds, to the engine."""
     return RunDef(lambda c: {
         "model": str(c.models["llama"]),
         "kvtier": {"tiers": [tier_spec("shared", c.dir("slow-mnt"))], "load_decision": "auto", "probe_interval_s": 600},
-        "phases": resume_phases([("S", "bob", 0), ("A", None, 384), ("B", None, 0), ("C", None, 0)]),
+        "phases": resume_phases([("S", "bob", 0), ("S", None, 0), ("A", None, 384), ("B", None, 0),
+                                 ("C", None, 0)]),
     }, deps=("llama-shared",), before=_mount_slow, after=_unmount_slow)
 
 
@@ -499,7 +501,7 @@ def test_vllm_external_hits_equal_kvtier_hit_tokens(runs, name):
 @engine_runs("llama-baseline", "llama-throttled")
 def test_a_tier_slower_than_prefill_is_left_to_the_engine(runs):
     """kvtier holds A, B and C on a shared mount that reads at 1 MB/s
-    (faultfs). S@bob's save starts a read-back of its chunk that measures
+    (faultfs). S@bob and S measure prefill; their saves start a read-back that measures
     the tier in the background; A comes before or after that measure. If
     before, A's load (the tier's rate not known yet) is stopped at its
     budget (a tenth of recomputing A's 384 tokens) and the engine computes
@@ -508,8 +510,8 @@ def test_a_tier_slower_than_prefill_is_left_to_the_engine(runs):
     asking the tier, and every output is token-exact."""
     run = runs["llama-throttled"]
     assert_same_output(run, runs["llama-baseline"])
-    got = {p: run.only(p)["num_cached_tokens"] for p in ("S@bob", "B", "C")}
-    assert got == {"S@bob": 0, "B": 0, "C": 0}, f"{run.where()}: {run.out['kvtier_metrics']}"
+    got = {p: run.only(p)["num_cached_tokens"] for p in ("S@bob", "S", "B", "C")}
+    assert got == {"S@bob": 0, "S": 0, "B": 0, "C": 0}, f"{run.where()}: {run.out['kvtier_metrics']}"
     metrics = f"{run.where()}: {run.out['kvtier_metrics']}"
     stopped = run.kvtier_metric("kvtier_vllm_stopped_loads_total", tier="shared", reason="budget")
     assert stopped in (0, 1), metrics

@@ -116,10 +116,15 @@ def test_a_load_stops_at_its_budget_keeping_the_chunks_that_arrived(rig):
         assert 0.3 <= time.monotonic() - t0 < 3
         assert _block_holds(caches, 1, 1) and _block_holds(caches, 2, 2)
         assert worker.get_block_ids_with_load_errors() == {3, 4, 5, 6}
-        meta = worker.worker_meta()
-        assert meta.stopped == {"r": "budget"}
+        meta = worker.worker_meta(12)
+        assert meta.stopped == {"r": "budget"} and meta.step == 12
         seconds, tokens = meta.reads["r"]
         assert tokens == 2 * BS and 0.3 <= seconds < 3
+        # Every later step reports its number, loads or none: vLLM would
+        # otherwise drop an empty step's output and the scheduler could
+        # not time the steps (costs.py).
+        quiet = worker.worker_meta(13)
+        assert quiet.step == 13 and not quiet.reads and not quiet.stopped
     finally:
         gate.set()
     assert not _block_holds(caches, 3, 3)  # what lands after the stop is dropped, never copied in
