@@ -72,7 +72,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self._settings = s = load_settings(vllm_config, kv_cache_config, worker=worker)
         ns, topo = s.namespace, s.topology
         # One shard of one chunk (the KV cache spec counts this rank's heads).
-        chunk_bytes = ns.num_layers * 2 * s.heads_per_rank * ns.head_dim * DTYPE_SIZES[s.kv_dtype] * ns.chunk_tokens
+        chunk_bytes = ns.num_layers * 2 * topo.heads_per_rank * ns.head_dim * DTYPE_SIZES[s.kv_dtype] * ns.chunk_tokens
         m = connector_metrics()
         self._scheduler: KVTierScheduler | None = None
         self._worker: KVTierWorker | None = None
@@ -84,7 +84,7 @@ class KVTierConnector(KVConnectorBase_V1):
         else:
             # A rank that does not write (replicated KV, rank > 0) reads the
             # writer's disk folder without owning it.
-            store = TieredStore(s.shard_config(topo.own_shard), m.store, chunk_bytes=chunk_bytes,
+            store = TieredStore(topo.shard_config(s.store, topo.own_shard), m.store, chunk_bytes=chunk_bytes,
                                 tier_class=None if topo.saves else reader_class)
             group = kv_cache_config.kv_cache_groups[0]
             self._worker = KVTierWorker(s, store, list(group.layer_names), kv_cache_config.num_blocks, m)

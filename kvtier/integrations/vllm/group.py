@@ -44,8 +44,8 @@ class GroupView:
         self.stores: list[TieredStore] = list(stores or ())
         try:
             for shard in self.topology.shard_ranks[len(self.stores):]:
-                self.stores.append(TieredStore(settings.shard_config(shard), metrics, chunk_bytes=chunk_bytes,
-                                               tier_class=reader_class))
+                self.stores.append(TieredStore(self.topology.shard_config(settings.store, shard), metrics,
+                                               chunk_bytes=chunk_bytes, tier_class=reader_class))
         except BaseException:
             self.close()
             raise
@@ -55,8 +55,8 @@ class GroupView:
         self._other: dict[int, list[TieredStore]] = {}
         try:
             for m in self.topology.other_tp_sizes:
-                self._other[m] = [TieredStore(settings.shard_config(s, m), metrics, tier_class=reader_class)
-                                  for s in range(m)]
+                self._other[m] = [TieredStore(self.topology.shard_config(settings.store, s, m), metrics,
+                                              tier_class=reader_class) for s in range(m)]
         except BaseException:
             self.close()
             raise

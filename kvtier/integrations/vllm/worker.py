@@ -38,10 +38,11 @@ from kvtier.codec import DTYPE_SIZES, ChunkObject, build, encode
 from kvtier.engine.executor import LOAD, STORE, PriorityExecutor, place_io_threads
 from kvtier.engine.store import TieredStore
 from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.iocpus import cpu_list, io_thread_cpus
 from kvtier.integrations.vllm.layout import PageLayout, detect
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMeta, LoadJob, SaveJob
 from kvtier.integrations.vllm.metrics import ConnectorMetrics
-from kvtier.integrations.vllm.settings import Settings, cpu_list, io_thread_cpus
+from kvtier.integrations.vllm.settings import Settings
 from kvtier.keys import ChunkKey
 
 log = logging.getLogger(__name__)

@@ -196,7 +196,7 @@ def test_a_single_file_checkpoint_is_local_and_read(ckpt, retrained, tmp_path):
 def test_the_connector_reads_vllms_download_dir(ckpt, tmp_path, hub_env):
     from types import SimpleNamespace
 
-    from kvtier.integrations.vllm.settings import model_fingerprint
+    from kvtier.integrations.vllm.namespace import model_fingerprint
 
     hub_env.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
     _hub_cache(tmp_path / "downloads", ckpt, COMMIT_A)

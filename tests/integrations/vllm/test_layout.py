@@ -142,27 +142,3 @@ def test_views_that_are_not_vllms_are_refused_with_the_fix():
         detect([torch.zeros(4, 2, 16, 16), torch.zeros(4, 1, 16, 16)], 4)
     with pytest.raises(ConfigError, match="unrecognised"):
         detect([torch.zeros(2, 4, 16, 2, 8)], 4)
-
-
-def test_the_layout_and_the_workers_pages_are_in_the_namespace():
-    """Two engines whose pages differ (resolved layout, backend, kernel
-    split) never derive the same keys."""
-    from types import SimpleNamespace
-
-    from kvtier.config import parse_store_config
-    from kvtier.integrations.vllm.settings import Settings, Topology, layout_name
-    from kvtier.keys import Namespace
-
-    spec = SimpleNamespace(dtype=torch.float32, block_size=16, head_size=8)
-    cfg = SimpleNamespace(cache_config=SimpleNamespace(cache_dtype="auto"))
-    names = {layout_name(cfg, spec, lay) for lay in ("LBHNC", "LBNHC", None)}
-    assert len(names) == 3 and any(n.endswith("/LBNHC") for n in names)
-
-    ns = Namespace("m", "f", "float32", "x", 2, 2, 8, 16)
-    base = Settings(parse_store_config({"tiers": [{"kind": "memory", "capacity": "1MiB"}], "chunk_tokens": 16}),
-                    ns, 16, 2, "float32", Topology(1, None), "LBNHC", awaiting_page=True)
-    pages = ("FLASH_ATTN/LBNHC/pageNHC16xhx16", "FLASHINFER/LBNHC/pageNHC16xhx16",
-             "FLASH_ATTN/LBNHC/r2/pageRNHC2x8xhx16")
-    digests = {base.with_page(p).namespace.digest() for p in pages}
-    assert len(digests) == 3
-    assert not base.with_page(pages[0]).awaiting_page

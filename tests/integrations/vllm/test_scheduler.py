@@ -16,7 +16,8 @@ from kvtier.engine.store import TieredStore
 from kvtier.integrations.vllm.group import GroupView
 from kvtier.integrations.vllm.metrics import connector_metrics
 from kvtier.integrations.vllm.scheduler import KVTierScheduler
-from kvtier.integrations.vllm.settings import Settings, Topology
+from kvtier.integrations.vllm.settings import Settings
+from kvtier.integrations.vllm.topology import Topology
 from kvtier.keys import Namespace, next_key, root_key
 
 BS, C = 4, 8  # engine block size, chunk tokens
@@ -235,7 +236,7 @@ def test_at_tp2_a_chunk_is_a_hit_only_when_every_ranks_shard_is_there(tmp_path):
     cfg = parse_store_config({"tiers": [{"kind": "disk", "path": str(tmp_path), "capacity": "64MiB"}],
                               "chunk_tokens": C})
     settings = Settings(cfg, NS, BS, 1, "float32", Topology(2, None))
-    writers = [TieredStore(settings.shard_config(r)) for r in (0, 1)]  # what each rank's worker owns
+    writers = [TieredStore(settings.topology.shard_config(cfg, r)) for r in (0, 1)]  # what each rank's worker owns
     s = KVTierScheduler(settings, GroupView(settings), connector_metrics())
     try:
         prev, keys = root_key(NS.digest()), []

@@ -17,9 +17,9 @@ import torch
 from kvtier.codec import encode
 from kvtier.config import parse_store_config
 from kvtier.integrations.vllm.metadata import ChunkIO, KVTierMetadata, LoadJob, SaveJob
+from kvtier.integrations.vllm.topology import Topology
 from kvtier.integrations.vllm.transfer import DevicePath, Staging
 from tests.integrations.vllm.test_worker import _block_holds, _payload, _worker
-from kvtier.integrations.vllm.settings import Topology
 from tests.support import keys_for
 
 

@@ -16,7 +16,8 @@ from kvtier.config import parse_store_config
 from kvtier.engine.store import TieredStore
 from kvtier.integrations.vllm.metadata import ChunkIO, KVTierMetadata, LoadJob, SaveJob
 from kvtier.integrations.vllm.metrics import connector_metrics
-from kvtier.integrations.vllm.settings import Settings, Topology
+from kvtier.integrations.vllm.settings import Settings
+from kvtier.integrations.vllm.topology import Topology
 from kvtier.integrations.vllm.worker import KVTierWorker
 from kvtier.keys import shard_key
 from kvtier.tiers.files import ObjectDir
@@ -30,7 +31,7 @@ NUM_BLOCKS = 8
 def _worker(cfg, topology: Topology, heads: int = NS.num_kv_heads, load_threads: int = 1) -> tuple[KVTierWorker, dict]:
     """A worker of ``topology`` whose rank holds ``heads`` KV heads."""
     settings = Settings(cfg, NS, BS, NS.num_layers, "float16", topology, load_threads=load_threads)
-    store = TieredStore(settings.shard_config(topology.own_shard))
+    store = TieredStore(settings.topology.shard_config(cfg, topology.own_shard))
     worker = KVTierWorker(settings, store, LAYERS, NUM_BLOCKS, connector_metrics())
     # vLLM's CPU attention layout: [blocks, kv heads, block size, 2 * head dim].
     caches = {n: torch.zeros(NUM_BLOCKS, heads, BS, 2 * NS.head_dim, dtype=torch.float16) for n in LAYERS}
@@ -252,36 +253,6 @@ def test_a_shard_is_assembled_from_shards_another_tp_size_wrote(tmp_path):
     finally:
         for w, _ in writers + [(reader, rcaches)]:
             w.close()
-
-
-@pytest.mark.parametrize("value, expect", [
-    ("auto", "auto"), ("Inherit", "inherit"), ("0", frozenset({0})), ([0], frozenset({0})), ("0-0", frozenset({0})),
-])
-def test_io_cpus_setting(value, expect):
-    from kvtier.integrations.vllm.settings import parse_io_cpus
-
-    assert parse_io_cpus(value) == expect
-
-
-@pytest.mark.parametrize("value", ["", "fast", "3-1", "-1", "0,x", [None], "100000"])
-def test_a_bad_io_cpus_setting_names_the_key_and_the_fix(value):
-    from kvtier.errors import ConfigError
-    from kvtier.integrations.vllm.settings import parse_io_cpus
-
-    with pytest.raises(ConfigError, match="io_cpus.*(write|name CPUs)"):
-        parse_io_cpus(value)
-
-
-def test_io_threads_leave_the_engines_pin_on_the_cpu_backend_only():
-    import os
-
-    from kvtier.integrations.vllm.settings import io_thread_cpus
-
-    engine = frozenset(os.sched_getaffinity(os.getppid()))
-    assert io_thread_cpus("auto", kv_on_cpu=True) == engine
-    assert io_thread_cpus("auto", kv_on_cpu=False) is None  # a GPU worker keeps its NUMA binding
-    assert io_thread_cpus("inherit", kv_on_cpu=True) is None
-    assert io_thread_cpus(frozenset({0}), kv_on_cpu=False) == {0}
 
 
 def test_paced_loads_are_handed_to_the_engine_one_per_step_in_the_order_they_started(rig):
