@@ -1,6 +1,6 @@
 """The longest stored prefix of a prompt, as the scheduler asks it.
 
-A prompt's keys are the prefix chain of its chunks (``kvtier.keys``): full
+A prompt's keys are the prefix chain of its chunks (``chain.py``): full
 chunks of ``chunk`` tokens, then a shorter chunk of whole blocks where a
 stored tail of an earlier, shorter prompt may hold the rest. ``GroupView``
 answers for every rank of the TP group: a chunk counts only when every
@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvtier.integrations.vllm.chain import PromptKeys
 from kvtier.integrations.vllm.group import GroupView
-from kvtier.keys import ChunkKey, next_key
+from kvtier.keys import ChunkKey
 
 
 @dataclass(frozen=True)
@@ -26,17 +27,9 @@ class Hit:
     sources: list[int] = field(default_factory=list)  # per hit chunk: TP size of its shards (0: ours)
 
 
-
-def all_in_memory(view: GroupView, chunk: int, bs: int, root: ChunkKey, tokens: list[int]) -> bool:
-    """Whether every chunk of ``tokens``' whole blocks is in host memory."""
-    if not view.host_memory:
-        return False
-    usable_blocks = len(tokens) // bs * bs
-    keys, prev = [], root
-    for start in range(0, usable_blocks, chunk):
-        prev = next_key(prev, tokens[start : min(start + chunk, usable_blocks)])
-        keys.append(prev)
-    return view.in_host_memory(keys)
+def all_in_memory(view: GroupView, prompt: PromptKeys) -> bool:
+    """Whether every chunk of the prompt's whole blocks is in host memory."""
+    return bool(view.host_memory) and view.in_host_memory(prompt.keys)
 
 
 def tiers_in(hit: Hit, lo: int, hi: int) -> list[str]:
@@ -49,19 +42,15 @@ def tiers_in(hit: Hit, lo: int, hi: int) -> list[str]:
     return out
 
 
-def longest_prefix(view: GroupView, chunk: int, bs: int, root: ChunkKey, tokens: list[int], usable: int,
+def longest_prefix(view: GroupView, prompt: PromptKeys, bs: int, usable: int,
                    skip: frozenset[str] = frozenset()) -> Hit:
-    """Longest stored prefix of ``tokens``, in tokens, capped at ``usable``,
+    """Longest stored prefix of the prompt, in tokens, capped at ``usable``,
     not asking the tiers in ``skip``.
 
     Full chunks first; where they stop, a shorter chunk (whole blocks)
     may hold the rest: the partial tail an earlier, shorter prompt stored.
     """
-    C = chunk
-    keys, prev = [], root
-    for start in range(0, len(tokens) // bs * bs, C):
-        prev = next_key(prev, tokens[start : min(start + C, len(tokens) // bs * bs)])
-        keys.append(prev)
+    C, keys = prompt.chunk, list(prompt.keys)
     plan = view.lookup(keys, skip)
     hit_keys = keys[: plan.chunks]
     tiers = list(plan.tiers)
@@ -70,11 +59,10 @@ def longest_prefix(view: GroupView, chunk: int, bs: int, root: ChunkKey, tokens:
     if plan.chunks < len(keys):
         start = plan.chunks * C
         tried = keys[plan.chunks].num_tokens
-        base = hit_keys[-1] if hit_keys else root
         for n in range(min(C, usable - start) // bs * bs, 0, -bs):
             if n == tried:
                 continue
-            k = next_key(base, tokens[start : start + n])
+            k = prompt.shorter(plan.chunks, n)
             sub = view.lookup([k], skip)
             if sub.chunks:
                 hit_keys.append(k)

@@ -5,9 +5,9 @@ small pool of this object's own (``_lookups``) so that the scheduler never
 waits on storage: a request whose lookup is still running is answered
 "ask again next step" (``None``), as vLLM's contract allows.
 
-Per request it keeps the lookup answer, the chunk keys of its tokens (a
-prefix chain, extended as tokens are computed), its engine block ids, and how
-far its KV is already in kvtier (``saved_upto``).
+Per request it keeps the lookup answer, the chunk keys of its tokens (its
+``KeyChain``, chain.py: made once, for lookups and saves alike), its engine
+block ids, and how far its KV is already in kvtier (``saved_upto``).
 
 Keys here are the TP group's chain; each worker names its own shard of a
 chunk from it. Lookups ask ``GroupView``, which sees every rank's tiers from
@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.engine.executor import LOAD, PriorityExecutor
+from kvtier.integrations.vllm.chain import KeyChain, KeyChains
 from kvtier.integrations.vllm.costs import LoadCosts
 from kvtier.integrations.vllm.eligibility import cacheable, must_compute_prompt
 from kvtier.integrations.vllm.enginewait import QuietWhileLoading
@@ -38,7 +39,7 @@ from kvtier.integrations.vllm.lookup import Hit, all_in_memory, longest_prefix, 
 from kvtier.integrations.vllm.metadata import ChunkIO, KVTierMetadata, KVTierWorkerMeta, LoadJob, SaveJob, merge_reads
 from kvtier.integrations.vllm.metrics import ConnectorMetrics
 from kvtier.integrations.vllm.settings import Settings
-from kvtier.keys import ChunkKey, next_key, root_key
+from kvtier.keys import ChunkKey
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +53,7 @@ _READ_BACK_POLL_S = 0.1
 @dataclass
 class _Req:
     request: Any
-    root: ChunkKey
-    full_keys: list[ChunkKey] = field(default_factory=list)  # full chunks, chained
+    keys: KeyChain
     lookup: Future | None = None
     lookup_usable: int = -1
     local_tokens: int = 0  # vLLM's own prefix hit when we answered
@@ -94,7 +94,7 @@ class KVTierScheduler:
         self.bs = settings.block_size
         self.chunk = settings.store.chunk_tokens
         self._reqs: dict[str, _Req] = {}
-        self._roots: dict[str, ChunkKey] = {}
+        self._chains = KeyChains(settings.namespace, self.chunk)
         self._lookups = PriorityExecutor("vllm-lookup", 2)
         self._prober = PriorityExecutor("vllm-probe", 1)  # re-measures slow tiers, apart from lookups
         self._pending_loads: list[LoadJob] = []
@@ -114,7 +114,7 @@ class KVTierScheduler:
         """The workers' page layout (their handshake, before any request):
         it completes the namespace, and kvtier starts claiming and saving."""
         self.settings = self.settings.with_page(page)
-        self._roots.clear()
+        self._chains = KeyChains(self.settings.namespace, self.chunk)
         log.info("kvtier: workers' pages %s; namespace %s", page, self.settings.namespace.digest().hex())
 
     def _unready(self) -> bool:
@@ -128,26 +128,14 @@ class KVTierScheduler:
                         "caching nothing until it does")
         return True
 
-    # ------------------------------------------------------------ keys
+    # ------------------------------------------------------------ requests
     def _state(self, request) -> _Req:
         st = self._reqs.get(request.request_id)
         if st is None:
-            salt = request.cache_salt or ""
-            root = self._roots.get(salt)
-            if root is None:
-                root = self._roots[salt] = root_key(self.settings.namespace.with_salt(salt).digest())
-            st = self._reqs[request.request_id] = _Req(request, root)
+            st = self._reqs[request.request_id] = _Req(request, self._chains.chain(request.cache_salt))
             st.failed = not cacheable(request)
         st.request = request
         return st
-
-    def _full_key(self, st: _Req, index: int, tokens) -> ChunkKey:
-        """Key of full chunk ``index`` (tokens [index*C, (index+1)*C))."""
-        while len(st.full_keys) <= index:
-            i = len(st.full_keys)
-            prev = st.full_keys[-1] if st.full_keys else st.root
-            st.full_keys.append(next_key(prev, list(tokens[i * self.chunk : (i + 1) * self.chunk])))
-        return st.full_keys[index]
 
     # ------------------------------------------------------------ lookup
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -168,6 +156,7 @@ class KVTierScheduler:
             # Keys over every known token: a stored chunk that runs past the
             # usable end still serves its leading blocks.
             tokens = list(request.all_token_ids[: request.num_tokens])
+            prompt = st.keys.prompt(tokens, len(tokens) // self.bs * self.bs)
             st.lookup_usable = usable
             t0 = time.perf_counter()
             skip = self.costs.ruled_out() if self.settings.decision.mode == "auto" else frozenset()
@@ -176,18 +165,16 @@ class KVTierScheduler:
                 if len(tokens) >= self.chunk and self.costs.start_probe(tier):
                     # Re-measure it in the background with this prompt's first
                     # chunk, if the tier holds it; this request goes on without it.
-                    key = next_key(st.root, tokens[: self.chunk])
                     cfg = self.settings.store
                     self._probes.append((tier, self._prober.submit(
-                        LOAD, self.view.probe, tier, key, cfg.lookup_timeout_s, cfg.load_timeout_s)))
-            if all_in_memory(self.view, self.chunk, self.bs, st.root, tokens) or self._persistent <= skip:
+                        LOAD, self.view.probe, tier, prompt.keys[0], cfg.lookup_timeout_s, cfg.load_timeout_s)))
+            if all_in_memory(self.view, prompt) or self._persistent <= skip:
                 # Answered from host memory alone (every tier that does I/O
                 # is left out, or every chunk is in memory): no reason to defer.
                 st.lookup = Future()
-                st.lookup.set_result(longest_prefix(self.view, self.chunk, self.bs, st.root, tokens, usable, skip))
+                st.lookup.set_result(longest_prefix(self.view, prompt, self.bs, usable, skip))
             else:
-                st.lookup = self._lookups.submit(LOAD, longest_prefix, self.view, self.chunk, self.bs, st.root, tokens,
-                                                 usable, skip)
+                st.lookup = self._lookups.submit(LOAD, longest_prefix, self.view, prompt, self.bs, usable, skip)
             st.lookup.add_done_callback(
                 lambda _f, t0=t0: self.metrics.lookup_seconds.observe(time.perf_counter() - t0))
         try:
@@ -386,13 +373,11 @@ class KVTierScheduler:
         chunks: list[ChunkIO] = []
         while st.saved_upto + C <= whole:
             i = st.saved_upto // C
-            key = self._full_key(st, i, tokens)
+            key = st.keys.full(i, tokens)
             chunks.append(ChunkIO(key, st.block_ids[i * C // bs : (i + 1) * C // bs]))
             st.saved_upto += C
         if not st.tail_saved and computed >= req.num_prompt_tokens and whole > st.saved_upto:
-            i = st.saved_upto // C
-            prev = self._full_key(st, i - 1, tokens) if i else st.root
-            key = next_key(prev, list(tokens[st.saved_upto : whole]))
+            key = st.keys.tail(tokens, st.saved_upto, whole)
             chunks.append(ChunkIO(key, st.block_ids[st.saved_upto // bs : whole // bs]))
             st.tail_saved = True
         chunks = [c for c in chunks if len(c.block_ids) * bs == c.key.num_tokens]
