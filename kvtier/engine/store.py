@@ -153,6 +153,19 @@ class TieredStore:
         """
         return self._fetch(keys, plan, promote)
 
+    def fetching(self, keys: Sequence[ChunkKey]) -> "Fetch":
+        """``fetch``, handed over explicitly (``Fetch``): the caller takes
+        each object, says when what it took may go into the memory tier,
+        and closes it."""
+        plan = self._plan(keys, frozenset(), ask_last=False)
+        return Fetch(self, plan, self._fetch(keys, plan, False))
+
+    def _promotes(self, tier: Tier) -> bool:
+        """Whether what ``tier`` returns goes into the memory tier once the
+        consumer is done with it. What a non-persistent tier lends stays
+        that tier's."""
+        return self.memory is not None and tier is not self.memory and tier.persistent
+
     def _fetch(self, keys: Sequence[ChunkKey], plan: Lookup | None, promote: bool | None,
                into: Sequence[memoryview] | None = None, clocked: bool = True) -> Iterator[ChunkObject]:
         """``fetch``; with ``into``, each object's payload is in its buffer
@@ -200,9 +213,8 @@ class TieredStore:
                         if clocked:
                             t0 = time.thread_time()
                         # The consumer is done with it: now the memory tier may
-                        # take it (and later evict and recycle it). What a
-                        # non-persistent tier lends stays that tier's.
-                        if promote and self.memory is not None and tier is not self.memory and tier.persistent:
+                        # take it (and later evict and recycle it).
+                        if promote and self._promotes(tier):
                             self.memory.store([obj])
                     finally:
                         tier.done_with(obj)
@@ -452,3 +464,59 @@ class Prefetch:
         """Wait for the whole prefetch; the number of leading chunks it put in memory."""
         assert self.future is not None
         return self.future.result(timeout)
+
+
+class Fetch:
+    """A fetch whose objects its consumer takes one at a time (``take``),
+    each a reference of the consumer's own, and whose memory tier takes
+    what was taken once the consumer says so (``promote``): a consumer that
+    hands each object on promotes it after the hand-over, so that the
+    object reaches its user first. ``close`` ends the reads; what was taken
+    and not promoted stays out of memory.
+
+    Threads: one consumer thread at a time.
+    """
+
+    def __init__(self, store: TieredStore, plan: Lookup, objects: Iterator[ChunkObject]):
+        self._store = store
+        self._tiers = [store.tier(s.tier) for s in plan.segments for _ in range(s.start, s.stop)]
+        self._objects = objects
+        self._taken = 0
+        self._to_promote: list[tuple[Tier, ChunkObject]] = []  # taken, not promoted yet: a reference each
+
+    def take(self) -> ChunkObject | None:
+        """The next verified object, retained for the caller (who releases
+        it), or None where the fetch stops (a chunk that was not served)."""
+        obj = next(self._objects, None)
+        if obj is None:
+            return None
+        tier = self._tiers[self._taken]
+        self._taken += 1
+        if self._store.config.promote and self._store._promotes(tier):
+            self._to_promote.append((tier, obj.retain()))
+        return obj.retain()
+
+    def promote(self) -> None:
+        """Put what was taken so far into the memory tier (where the
+        store's ``promote`` setting says so)."""
+        t0 = time.thread_time()
+        batch, self._to_promote = self._to_promote, []
+        for _, obj in batch:
+            try:
+                self._store.memory.store([obj])
+            finally:
+                obj.release()
+        if batch:
+            self._store.metrics.load_caller_cpu.inc(max(0.0, time.thread_time() - t0))
+
+    def close(self) -> None:
+        for _, obj in self._to_promote:
+            obj.release()
+        self._to_promote = []
+        self._objects.close()
+
+    def __enter__(self) -> "Fetch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
