@@ -17,6 +17,7 @@ import torch
 from kvtier.codec import encode
 from kvtier.config import parse_store_config
 from kvtier.integrations.vllm.metadata import ChunkIO, KVTierMetadata, LoadJob, SaveJob
+from kvtier.integrations.vllm.saves import Saver
 from kvtier.integrations.vllm.topology import Topology
 from kvtier.integrations.vllm.transfer import DevicePath, Staging
 from tests.integrations.vllm.test_worker import _block_holds, _payload, _worker
@@ -69,9 +70,7 @@ def rig(tmp_path):
     worker, caches = _worker(cfg, Topology(1, 0))
     rt = FakeRuntime()
     worker.device = DevicePath(worker.layout, rt, Staging(rt, keep=2))
-    from kvtier.engine.executor import PriorityExecutor
-
-    worker._saver = PriorityExecutor("test-save", 1)
+    worker.saver = Saver(worker.store, worker.layout, "float16", worker.reader.key, worker.metrics, worker.device)
     yield worker, caches, rt
     worker.close()
 
@@ -108,7 +107,7 @@ def test_a_save_reaches_the_store_only_after_its_copy(rig):
     assert len(rt.done) == 1 and rt.engine_waited == rt.done
     assert worker.store.flush(10)
     deadline = time.monotonic() + 10
-    stored = worker._key(key)
+    stored = worker.reader.key(key)
     while worker.store.lookup([stored]).chunks < 1:
         assert time.monotonic() < deadline, "the save never reached the store"
         time.sleep(0.01)

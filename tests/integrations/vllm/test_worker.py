@@ -102,6 +102,38 @@ def _stored_job(store, worker, rid: str, seed: int, n: int, first_block: int = 1
     return LoadJob(rid, [ChunkIO(k, [first_block + i]) for i, k in enumerate(keys)], ["disk"] * n, **kw), keys
 
 
+def test_a_load_promotes_every_chunk_it_read_into_memory_the_last_too(rig):
+    """What a load reads from disk goes into the memory tier once it is
+    handed over, the last chunk included: the next resume reads memory."""
+    store, worker, caches = rig
+    job, keys = _stored_job(store, worker, "r", 10, 3)
+    assert store.memory.lookup(keys) == 0
+    worker.start_load_kv(KVTierMetadata(loads=[job]))
+    _finish(worker, "r")
+    assert all(_block_holds(caches, i + 1, i + 1) for i in range(3))
+    assert store.memory.lookup(keys) == 3
+
+
+def test_the_stores_hand_off_promotes_only_what_was_taken_and_said(rig):
+    """``TieredStore.fetching``, as the reader uses it: each object taken is
+    the taker's own reference; the memory tier takes what was taken only at
+    ``promote``; what was taken after it, or never, stays out."""
+    store, worker, _ = rig
+    _, keys = _stored_job(store, worker, "unused", 16, 3)
+    with store.fetching(keys) as fetch:
+        first = fetch.take()
+        assert store.memory.lookup(keys) == 0  # not before the taker says so
+        fetch.promote()
+        assert store.memory.lookup(keys) == 1
+        second = fetch.take()
+    assert store.memory.lookup(keys) == 1  # taken, never promoted: closed without it
+    for obj in (first, second):
+        assert obj.header.num_tokens == BS  # still the taker's to read
+        obj.release()
+    with store.fetching(keys_for(99, 1)) as fetch:
+        assert fetch.take() is None  # not stored: the fetch stops there
+
+
 def test_a_load_stops_at_its_budget_keeping_the_chunks_that_arrived(rig):
     """Chunks 0-1 arrive, the rest hangs: at its budget the load is reported
     done, chunks 0-1 in, blocks 3-6 failed (vLLM recomputes them), long
