@@ -26,6 +26,17 @@ class Hit:
     tiers: list[str]  # per hit chunk: the slowest tier holding one of its shards
     sources: list[int] = field(default_factory=list)  # per hit chunk: TP size of its shards (0: ours)
 
+    def tokens_by_tier(self, lo: int, hi: int) -> dict[str, int]:
+        """Tokens [lo, hi) of the hit, by the slowest tier holding each chunk."""
+        by_tier: dict[str, int] = {}
+        pos = 0
+        for k, tier in zip(self.keys, self.tiers):
+            a, b = max(pos, lo), min(pos + k.num_tokens, hi)
+            if b > a:
+                by_tier[tier] = by_tier.get(tier, 0) + b - a
+            pos += k.num_tokens
+        return by_tier
+
 
 def all_in_memory(view: GroupView, prompt: PromptKeys) -> bool:
     """Whether every chunk of the prompt's whole blocks is in host memory."""
