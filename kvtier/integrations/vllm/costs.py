@@ -202,19 +202,19 @@ class LoadCosts:
         return (now - self.tiers[tier].when >= self.probe_interval_s
                 and (probe is None or now - probe >= self.probe_interval_s))
 
-    def claimable(self, tiers: list[str], tokens: list[int] | None = None,
-                  ahead: Mapping[str, int] | None = None, engine: int = 0,
-                  waiting: int = 0) -> tuple[int, str | None]:
+    def claimable(self, tiers: list[str], tokens: list[int], ahead: Mapping[str, int], engine: int,
+                  waiting: int) -> tuple[int, str | None]:
         """How many leading chunks of a hit (``tiers``: each chunk's slowest
         tier; ``tokens``: each chunk's tokens to load) to claim, and the tier
         that stopped the claim short (None: all of it). ``ahead``: per tier,
-        tokens of the loads in flight or pending there, not yet done."""
+        tokens of the loads in flight or pending there, not yet done;
+        ``engine`` and ``waiting``: as ``_queue_pays_off`` takes them."""
         n, stopped = len(tiers), None
         for i, tier in enumerate(tiers):
             if not self.pays_off(tier):
                 n, stopped = i, tier
                 break
-        if tokens is None or not ahead:
+        if not ahead:
             return n, stopped
         # Per tier, the queue ahead is a fixed wait that more tokens of the
         # request amortize: judge each tier on all its chunks of the claim,
@@ -230,7 +230,7 @@ class LoadCosts:
                 return n, stopped
             n, stopped = late, tiers[late]
 
-    def _queue_pays_off(self, tier: str, own: int, ahead: int, engine: int = 0, waiting: int = 0) -> bool:
+    def _queue_pays_off(self, tier: str, own: int, ahead: int, engine: int, waiting: int) -> bool:
         """Does loading ``own`` tokens from ``tier`` behind ``ahead`` tokens
         cost less than recomputing them, behind the ``engine`` tokens the
         engine has yet to prefill for requests ahead, with ``waiting``

@@ -78,11 +78,6 @@ def _install() -> bool:
         return True
 
 
-def loading_now() -> bool:
-    """Whether some scheduler of this process has a load in flight."""
-    return _loading > 0
-
-
 class QuietWhileLoading:
     """One scheduler's say in the engine core's wait: ``loading(True)``
     when it hands out a load, ``loading(False)`` once none is in flight."""

@@ -53,8 +53,7 @@ def tiers_in(hit: Hit, lo: int, hi: int) -> list[str]:
     return out
 
 
-def longest_prefix(view: GroupView, prompt: PromptKeys, bs: int, usable: int,
-                   skip: frozenset[str] = frozenset()) -> Hit:
+def longest_prefix(view: GroupView, prompt: PromptKeys, bs: int, usable: int, skip: frozenset[str]) -> Hit:
     """Longest stored prefix of the prompt, in tokens, capped at ``usable``,
     not asking the tiers in ``skip``.
 

@@ -97,7 +97,6 @@ class Pending:
     staging: torch.Tensor
     shape: tuple[int, ...]
     nbytes: int
-    meta: Any = None
     released: bool = field(default=False)
 
     def finished(self) -> bool:
@@ -113,7 +112,7 @@ class DevicePath:
     def _host_view(self, buf: torch.Tensor, shape, nbytes: int) -> torch.Tensor:
         return buf[:nbytes].view(self.layout.dtype).view(shape)
 
-    def save(self, block_ids: Sequence[int], meta: Any = None) -> Pending:
+    def save(self, block_ids: Sequence[int]) -> Pending:
         """Enqueue the gather of ``block_ids``' pages into pinned memory,
         behind this step's forward; the engine's stream waits for it."""
         shape = self.layout.chunk_shape(len(block_ids))
@@ -124,7 +123,7 @@ class DevicePath:
             self.layout.gather(block_ids, self._host_view(buf, shape, nbytes))
             done = self.runtime.done_event()
         self.runtime.engine_waits(done)
-        return Pending(done, buf, shape, nbytes, meta)
+        return Pending(done, buf, shape, nbytes)
 
     def saved_bytes(self, p: Pending) -> memoryview:
         """The saved payload (call once ``p.done`` completed: the saver
@@ -132,7 +131,7 @@ class DevicePath:
         p.done.synchronize()
         return memoryview(p.staging[: p.nbytes].numpy()).cast("B")
 
-    def load(self, block_ids: Sequence[int], payload: memoryview, shape, first: int = 0, meta: Any = None) -> Pending:
+    def load(self, block_ids: Sequence[int], payload: memoryview, shape, first: int = 0) -> Pending:
         """Copy ``payload`` (a chunk's pages, ``shape``) into pinned memory,
         then enqueue host-to-device and the scatter into ``block_ids[first:]``
         behind the engine's work; the engine's stream waits for it."""
@@ -145,7 +144,7 @@ class DevicePath:
             self.layout.scatter(block_ids, self.layout.leading_blocks(src, len(block_ids)), first=first)
             done = self.runtime.done_event()
         self.runtime.engine_waits(done)
-        return Pending(done, buf, shape, nbytes, meta)
+        return Pending(done, buf, shape, nbytes)
 
     def release(self, p: Pending) -> None:
         """Return ``p``'s staging buffer (its copy must have completed)."""

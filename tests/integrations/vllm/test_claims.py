@@ -97,7 +97,7 @@ def test_a_claim_counts_the_loads_queued_ahead_on_its_tier(tmp_path):
         assert queued._value.get() == before
         # Only c's tier queue, no loaded request waiting for the engine: a
         # queue of 2000 tokens (1.2 s) outweighs 16 ms of prefill.
-        assert s.costs.claimable(["disk"], [16], {"disk": 2000}, waiting=0) == (0, "disk")
+        assert s.costs.claimable(["disk"], [16], {"disk": 2000}, 0, 0) == (0, "disk")
     finally:
         s.close()
         store.close()

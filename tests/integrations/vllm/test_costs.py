@@ -25,6 +25,11 @@ def costs(**kw) -> tuple[LoadCosts, Clock]:
     return c, clock
 
 
+def alone(c: LoadCosts, tiers: list[str]) -> tuple[int, str | None]:
+    """``claimable`` for a hit of ``tiers``, nothing queued ahead of it."""
+    return c.claimable(tiers, [256] * len(tiers), {}, 0, 0)
+
+
 def test_the_engines_first_forward_is_not_measured():
     clock = Clock()
     c = LoadCosts(frozenset({"memory"}), min_step_tokens=256, clock=clock)
@@ -41,7 +46,7 @@ def test_the_engines_first_forward_is_not_measured():
 
 def test_unknown_rates_claim_everything():
     c, _ = costs()
-    assert c.claimable(["memory", "shared", "shared"]) == (3, None)
+    assert alone(c, ["memory", "shared", "shared"]) == (3, None)
 
 
 def test_prefill_rate_comes_from_steps_of_prefill_work_only():
@@ -99,8 +104,8 @@ def test_a_tier_slower_than_prefill_cuts_the_claim_at_its_first_chunk():
     c.loaded("shared", seconds=2.56, tokens=256)  # 10 ms per token loaded
     c.loaded("disk", seconds=0.0256, tokens=256)  # 0.1 ms
     c.loaded("memory", seconds=99.0, tokens=1)  # host memory is never ruled out
-    assert c.claimable(["memory", "disk", "shared", "shared"]) == (2, "shared")
-    assert c.claimable(["disk", "disk"]) == (2, None)
+    assert alone(c, ["memory", "disk", "shared", "shared"]) == (2, "shared")
+    assert alone(c, ["disk", "disk"]) == (2, None)
 
 
 def test_a_load_budget_is_its_expected_time_with_a_bounded_margin_over_recompute():
@@ -131,33 +136,33 @@ def test_the_claim_waits_behind_the_tokens_queued_on_its_tier():
     c.prefill.value = 0.001
     c.loaded("shared", seconds=0.128, tokens=256)  # 0.5 ms per token: half of prefill's
     tiers, tokens = ["shared"] * 4, [256] * 4
-    assert c.claimable(tiers, tokens, {}) == (4, None)  # alone it pays off
+    assert c.claimable(tiers, tokens, {}, 0, 0) == (4, None)  # alone it pays off
     # 1024 ahead + 1024 own at 0.5 ms: 1.024 s, as long as recomputing: still claimed.
-    assert c.claimable(tiers, tokens, {"shared": 1024}) == (4, None)
+    assert c.claimable(tiers, tokens, {"shared": 1024}, 0, 0) == (4, None)
     # 2048 ahead: 1.536 s to wait for 1.024 s of prefill: left to the engine.
-    assert c.claimable(tiers, tokens, {"shared": 2048}) == (0, "shared")
-    assert c.claimable(tiers, tokens, {"disk": 1 << 20}) == (4, None)  # another tier's queue is not in its way
+    assert c.claimable(tiers, tokens, {"shared": 2048}, 0, 0) == (0, "shared")
+    assert c.claimable(tiers, tokens, {"disk": 1 << 20}, 0, 0) == (4, None)  # another tier's queue is not in its way
     # Memory chunks are claimed before the queue; the shared ones are judged
     # on their own tokens: (1024 + 512) x 0.5 ms > 512 x 1 ms.
-    assert c.claimable(["memory", "shared", "shared"], [256] * 3, {"shared": 1024}) == (1, "shared")
+    assert c.claimable(["memory", "shared", "shared"], [256] * 3, {"shared": 1024}, 0, 0) == (1, "shared")
     # The wait ahead is amortized over all of a tier's chunks: 256 ahead
     # would not pay for one chunk ((256 + 256) x 0.5 ms = 256 x 1 ms; 300 is
     # more) but pays for two.
-    assert c.claimable(["shared"], [256], {"shared": 300}) == (0, "shared")
-    assert c.claimable(["shared", "shared"], [256, 256], {"shared": 300}) == (2, None)
+    assert c.claimable(["shared"], [256], {"shared": 300}, 0, 0) == (0, "shared")
+    assert c.claimable(["shared", "shared"], [256, 256], {"shared": 300}, 0, 0) == (2, None)
     # With loaded requests waiting for the engine, a recompute holds each of
     # them up for its own prefill: 2048 ahead no longer outweighs it when
     # two requests wait ((2048 + 1024) x 0.5 ms = 1.536 s <= 1024 x 3 x 1 ms),
     # but a small request still does not wait behind large loads.
-    assert c.claimable(tiers, tokens, {"shared": 2048}, waiting=2) == (4, None)
-    assert c.claimable(["shared"], [64], {"shared": 4096}, waiting=2) == (0, "shared")
+    assert c.claimable(tiers, tokens, {"shared": 2048}, 0, waiting=2) == (4, None)
+    assert c.claimable(["shared"], [64], {"shared": 4096}, 0, waiting=2) == (0, "shared")
 
 
 def test_a_ruled_out_tier_is_probed_once_per_interval_and_used_again_once_it_recovers():
     c, clock = costs()
     c.prefill.value = 0.001
     c.loaded("shared", seconds=2.56, tokens=256)
-    assert c.claimable(["shared", "shared"]) == (0, "shared")
+    assert alone(c, ["shared", "shared"]) == (0, "shared")
     assert c.ruled_out() == {"shared"}
     assert not c.start_probe("shared")  # measured just now
     clock.now += 30.0
@@ -166,7 +171,7 @@ def test_a_ruled_out_tier_is_probed_once_per_interval_and_used_again_once_it_rec
     for _ in range(8):  # it recovered: 0.1 ms per token now, within a few loads...
         c.loaded("shared", seconds=0.0256, tokens=256)
     assert c.ruled_out() == set()
-    assert c.claimable(["shared", "shared"]) == (2, None)  # ...and is used again
+    assert alone(c, ["shared", "shared"]) == (2, None)  # ...and is used again
 
 
 def test_a_probe_that_never_reports_lapses():

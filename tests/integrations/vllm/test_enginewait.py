@@ -41,7 +41,7 @@ def test_while_a_load_is_in_flight_the_reader_blocks_instead_of_spinning(spin):
     assert yields == [1]  # vLLM's own wait: one sched_yield, back at once
     quiet.loading(True)
     try:
-        assert enginewait.loading_now()
+        assert enginewait._loading
         reader.record_read()  # a reply just arrived: vLLM would spin for busy_loop_s
         for _ in range(20):
             t0 = time.monotonic()
@@ -55,7 +55,7 @@ def test_while_a_load_is_in_flight_the_reader_blocks_instead_of_spinning(spin):
         assert time.monotonic() - t0 < 5  # the writer's notification wakes it
     finally:
         quiet.close()
-    assert not enginewait.loading_now()
+    assert not enginewait._loading
     reader.record_read()
     reader.wait(timeout_ms=50)
     assert yields == [1, 1]  # after the load, vLLM's spin again
@@ -65,7 +65,7 @@ def test_spin_during_loads_leaves_vllms_wait_alone(spin):
     _, reader, yields = spin
     quiet = enginewait.QuietWhileLoading(enabled=False)
     quiet.loading(True)
-    assert not enginewait.loading_now()
+    assert not enginewait._loading
     reader.record_read()
     reader.wait(timeout_ms=50)
     assert yields == [1]
@@ -77,6 +77,6 @@ def test_two_schedulers_of_one_process_each_hold_the_quiet_until_their_loads_end
     b.loading(True)
     a.loading(True)  # said twice, counted once
     a.loading(False)
-    assert enginewait.loading_now()
+    assert enginewait._loading
     b.close()
-    assert not enginewait.loading_now()
+    assert not enginewait._loading

@@ -283,7 +283,7 @@ def test_the_engine_core_waits_quietly_from_a_loads_step_until_it_ends(tmp_path)
     finished_recving), the engine core does not spin for its workers."""
     import vllm.distributed.device_communicators.shm_broadcast  # noqa: F401  (the engine core's queues)
 
-    from kvtier.integrations.vllm.enginewait import loading_now
+    from kvtier.integrations.vllm import enginewait
 
     cfg = parse_store_config({"tiers": [{"kind": "disk", "path": str(tmp_path), "capacity": "64MiB"}], "chunk_tokens": C})
     store = TieredStore(cfg)
@@ -292,30 +292,30 @@ def test_the_engine_core_waits_quietly_from_a_loads_step_until_it_ends(tmp_path)
         store_chunks(s, TOK, [C, C])
         store.flush()
         claim_two_chunks(s, load_async=True)
-        assert not loading_now()
+        assert not enginewait._loading
         assert s.build_connector_meta(output()).loads
-        assert loading_now()
+        assert enginewait._loading
         s.update_connector_output(connector_output())
-        assert loading_now()  # still reading
+        assert enginewait._loading  # still reading
         s.update_connector_output(connector_output({"a"}))
-        assert not loading_now()
+        assert not enginewait._loading
     finally:
         s.close()
         store.close()
-    assert not loading_now()
+    assert not enginewait._loading
 
 
 def test_a_synchronous_load_holds_the_quiet_for_its_own_step(sched):
     import vllm.distributed.device_communicators.shm_broadcast  # noqa: F401
 
-    from kvtier.integrations.vllm.enginewait import loading_now
+    from kvtier.integrations.vllm import enginewait
 
     store_chunks(sched, TOK, [C, C])
     claim_two_chunks(sched)
     sched.build_connector_meta(output())
-    assert loading_now()
+    assert enginewait._loading
     sched.update_connector_output(connector_output())
-    assert not loading_now()
+    assert not enginewait._loading
 
 
 def test_a_preempted_requests_second_claim_is_not_counted_as_vllm_does_not(sched):
