@@ -482,7 +482,7 @@ class Fetch:
         self._tiers = [store.tier(s.tier) for s in plan.segments for _ in range(s.start, s.stop)]
         self._objects = objects
         self._taken = 0
-        self._to_promote: list[tuple[Tier, ChunkObject]] = []  # taken, not promoted yet: a reference each
+        self._to_promote: list[ChunkObject] = []  # taken, not promoted yet: a reference each
 
     def take(self) -> ChunkObject | None:
         """The next verified object, retained for the caller (who releases
@@ -493,7 +493,7 @@ class Fetch:
         tier = self._tiers[self._taken]
         self._taken += 1
         if self._store.config.promote and self._store._promotes(tier):
-            self._to_promote.append((tier, obj.retain()))
+            self._to_promote.append(obj.retain())
         return obj.retain()
 
     def promote(self) -> None:
@@ -501,7 +501,7 @@ class Fetch:
         store's ``promote`` setting says so)."""
         t0 = time.thread_time()
         batch, self._to_promote = self._to_promote, []
-        for _, obj in batch:
+        for obj in batch:
             try:
                 self._store.memory.store([obj])
             finally:
@@ -510,7 +510,7 @@ class Fetch:
             self._store.metrics.load_caller_cpu.inc(max(0.0, time.thread_time() - t0))
 
     def close(self) -> None:
-        for _, obj in self._to_promote:
+        for obj in self._to_promote:
             obj.release()
         self._to_promote = []
         self._objects.close()
