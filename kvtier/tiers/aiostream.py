@@ -39,7 +39,7 @@ from typing import Callable, Iterator, Sequence
 
 from kvtier.buffers import LoadBuffers, address, align_up, copy_into, slot
 from kvtier.codec import ChunkObject
-from kvtier.engine.executor import LOAD, PriorityExecutor, usable_cpus
+from kvtier.concurrency.executor import LOAD, PriorityExecutor, usable_cpus
 from kvtier.keys import ChunkKey
 from kvtier.tiers.aio import AioContext, ContextPool
 from kvtier.tiers.files import OpenRead

@@ -46,7 +46,7 @@ from typing import Callable, Iterator, Sequence
 
 from kvtier.buffers import LoadBuffers, copy_into, slot
 from kvtier.codec import CHECKSUM_AT, CRC_AT, HEADER_STRUCT_SIZE, ChunkObject, Header, expected_head, expected_header
-from kvtier.engine.executor import LOAD, PriorityExecutor
+from kvtier.concurrency.executor import LOAD, PriorityExecutor
 from kvtier.keys import ChunkKey
 from kvtier.tiers.aio import ContextPool
 from kvtier.tiers.files import OpenRead

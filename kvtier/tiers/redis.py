@@ -53,7 +53,7 @@ from redis.retry import Retry
 from kvtier.buffers import align_up
 from kvtier.codec import HEADER_BLOCK, MAX_PAYLOAD, ChunkObject, decode, key_of
 from kvtier.config import ConfigError, opt, size_field
-from kvtier.engine.executor import DELETE, LOAD, PriorityExecutor
+from kvtier.concurrency.executor import DELETE, LOAD, PriorityExecutor
 from kvtier.errors import CorruptObject
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import TierStats

@@ -64,7 +64,7 @@ from urllib.parse import urlsplit
 from kvtier.buffers import align_up
 from kvtier.codec import HEADER_BLOCK, MAX_PAYLOAD, ChunkObject, decode, key_of
 from kvtier.config import ConfigError, check_watermarks, opt, size_field
-from kvtier.engine.executor import DELETE, MAINTENANCE, STORE, PriorityExecutor
+from kvtier.concurrency.executor import DELETE, MAINTENANCE, STORE, PriorityExecutor
 from kvtier.errors import CorruptObject
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import TierStats

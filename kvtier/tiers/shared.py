@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 from kvtier.config import check_watermarks, opt
-from kvtier.engine.executor import MAINTENANCE
+from kvtier.concurrency.executor import MAINTENANCE
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import TierStats
 from kvtier.tiers.collector import Collector, GcResult, Trigger, WatermarkPolicy

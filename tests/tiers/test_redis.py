@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from kvtier.config import parse_store_config, parse_tier
-from kvtier.engine.breaker import CircuitBreaker
+from kvtier.concurrency.breaker import CircuitBreaker
 from kvtier.engine.store import TieredStore
 from kvtier.errors import ConfigError
 from kvtier.tiers.redis import RedisConfig, RedisTier

@@ -16,7 +16,7 @@ import pytest
 
 from kvtier.cli import main
 from kvtier.config import load_config, parse_tier
-from kvtier.engine.breaker import CircuitBreaker
+from kvtier.concurrency.breaker import CircuitBreaker
 from kvtier.errors import ConfigError
 from kvtier.tiers.redis import RedisTier
 from tests.support import make_chunks

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from kvtier.config import parse_tier
-from kvtier.engine.breaker import CircuitBreaker
+from kvtier.concurrency.breaker import CircuitBreaker
 from kvtier.metrics import Metrics
 from kvtier.tiers import s3lease
 from kvtier.errors import ConfigError

@@ -380,7 +380,7 @@ def test_a_collection_waits_for_owed_stamps_unless_it_runs_on_the_only_io_thread
     any other thread waits for them, also where the tier has one I/O
     thread (which makes them). Only a pass on that thread itself (the
     background collector) cannot wait: the stamps are queued behind it."""
-    from kvtier.engine.executor import MAINTENANCE
+    from kvtier.concurrency.executor import MAINTENANCE
 
     tier = open_shared(io_threads=1)
     tier._owed.add()

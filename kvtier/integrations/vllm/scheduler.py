@@ -29,7 +29,7 @@ from concurrent.futures import Future, TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.engine.executor import LOAD, PriorityExecutor
+from kvtier.concurrency.executor import LOAD, PriorityExecutor
 from kvtier.integrations.vllm.costs import LoadCosts
 from kvtier.integrations.vllm.eligibility import cacheable, must_compute_prompt
 from kvtier.integrations.vllm.enginewait import QuietWhileLoading

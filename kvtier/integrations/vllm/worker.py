@@ -35,7 +35,7 @@ import time
 import torch
 
 from kvtier.codec import DTYPE_SIZES, ChunkObject, build, encode
-from kvtier.engine.executor import LOAD, STORE, PriorityExecutor, place_io_threads
+from kvtier.concurrency.executor import LOAD, STORE, PriorityExecutor, place_io_threads
 from kvtier.engine.store import TieredStore
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.layout import PageLayout, detect

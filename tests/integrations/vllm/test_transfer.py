@@ -69,7 +69,7 @@ def rig(tmp_path):
     worker, caches = _worker(cfg, Topology(1, 0))
     rt = FakeRuntime()
     worker.device = DevicePath(worker.layout, rt, Staging(rt, keep=2))
-    from kvtier.engine.executor import PriorityExecutor
+    from kvtier.concurrency.executor import PriorityExecutor
 
     worker._saver = PriorityExecutor("test-save", 1)
     yield worker, caches, rt

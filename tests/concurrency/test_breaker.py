@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from kvtier.engine.breaker import CircuitBreaker
+from kvtier.concurrency.breaker import CircuitBreaker
 
 
 class Clock:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kvtier.engine.executor import DELETE, LOAD, MAINTENANCE, STORE, ByteWindow, PriorityExecutor
+from kvtier.concurrency.executor import DELETE, LOAD, MAINTENANCE, STORE, ByteWindow, PriorityExecutor
 from tests.support import spin_cpu
 
 
@@ -204,7 +204,7 @@ def _pinned(cpus, fn):
 
 @needs_two_cpus
 def test_threads_inherit_the_pin_of_the_thread_that_starts_them_unless_placed():
-    from kvtier.engine import executor
+    from kvtier.concurrency import executor
 
     every = set(os.sched_getaffinity(0))
     one = {min(every)}
