@@ -137,7 +137,7 @@ def written(tmp_path):
     shards of the last chunk. Returns the root and [(what, shape, payload)]."""
     from kvtier.codec import encode
     from kvtier.keys import Namespace, chunk_keys, shard_key
-    from kvtier.tiers.files import ObjectDir
+    from kvtier.tiers.dir.files import ObjectDir
 
     ns = Namespace(**dict(NS_FIELDS))
     odir = ObjectDir(tmp_path, "test")

@@ -78,8 +78,8 @@ from kvtier.bench.storage_common import (
     summarize,
 )
 from kvtier.progress import Progress, silent
-from kvtier.tiers.readtrace import ReadTrace
-from kvtier.tiers.filetier import FileTierConfig
+from kvtier.tiers.dir.readtrace import ReadTrace
+from kvtier.tiers.dir.filetier import FileTierConfig
 from kvtier.tiers.shared import SharedConfig, SharedTier
 from kvtier.version import __version__
 

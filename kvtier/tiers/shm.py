@@ -48,9 +48,9 @@ from kvtier.codec import ChunkObject
 from kvtier.config import ConfigError, opt, size_field
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import TierStats
-from kvtier.tiers.files import OpenRead
-from kvtier.tiers.filetier import FileTier
-from kvtier.tiers.stamps import LoadStamps
+from kvtier.tiers.dir.files import OpenRead
+from kvtier.tiers.dir.filetier import FileTier
+from kvtier.tiers.dir.stamps import LoadStamps
 
 log = logging.getLogger(__name__)
 

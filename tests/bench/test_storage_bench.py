@@ -104,7 +104,7 @@ def test_bench_storage_cli_writes_table_and_json(tmp_path):
     assert "kvtier cold load, window 8MiB buffered" in proc.stdout
     # What drove each variant's reads: lent buffers through the native loop,
     # the caller's own through the Python driver, buffered on pool threads.
-    from kvtier.tiers import nativestream
+    from kvtier.tiers.dir import nativestream
 
     lent = r["cold"]["8MiB direct-aio-lent"]["loads_by_driver"]
     own = r["cold"]["8MiB direct-aio"]["loads_by_driver"]
@@ -604,7 +604,7 @@ def test_the_loop_alone_reads_and_verifies_every_object_or_fails(tmp_path):
     """The native loop's own cost is only the loop's if every object came
     back read and verified: a damaged or missing object is an error, never
     a cheaper figure; and no file is left open, whatever happened."""
-    from kvtier.tiers import nativestream
+    from kvtier.tiers.dir import nativestream
     from kvtier.tiers.shared import SharedTier
     from tests.support import OBJ, flip_byte, make_chunks, shared_config
 

@@ -12,7 +12,7 @@ import pytest
 from kvtier.config import ConfigError
 from kvtier.concurrency.breaker import CircuitBreaker
 from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.files import HOST, ObjectDir
+from kvtier.tiers.dir.files import HOST, ObjectDir
 from tests.support import OBJ, assert_object, disk_config, make_chunks, payload_for
 
 

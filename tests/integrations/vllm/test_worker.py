@@ -19,7 +19,7 @@ from kvtier.integrations.vllm.metrics import connector_metrics
 from kvtier.integrations.vllm.settings import Settings, Topology
 from kvtier.integrations.vllm.worker import KVTierWorker
 from kvtier.keys import shard_key
-from kvtier.tiers.files import ObjectDir
+from kvtier.tiers.dir.files import ObjectDir
 from tests.support import NS, hold_reads, keys_for
 
 BS = NS.chunk_tokens  # one engine block per chunk

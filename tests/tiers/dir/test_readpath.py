@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvtier.metrics import Metrics
-from kvtier.tiers.readpath import BUFFERED, DIRECT, ReadPathChooser
+from kvtier.tiers.dir.readpath import BUFFERED, DIRECT, ReadPathChooser
 from kvtier.tiers.shared import SharedTier
 from tests.support import OBJ, assert_object, make_chunks, shared_config
 

@@ -14,8 +14,8 @@ import pytest
 
 from kvtier.buffers import BufferPool, LoadBuffers, mapped_bytes
 from kvtier.metrics import Metrics
-from kvtier.tiers import aio
-from kvtier.tiers.aiostream import AioStream
+from kvtier.tiers.dir import aio
+from kvtier.tiers.dir.aiostream import AioStream
 from kvtier.tiers.readstream import ReadStream
 from kvtier.tiers.shared import SharedTier
 from tests.support import OBJ, assert_object, flip_byte, make_chunks, shared_config
@@ -279,7 +279,7 @@ def test_verifications_run_side_by_side_up_to_the_bound(open_tier):
 
 
 def test_a_traced_load_records_every_read_it_submitted_landing(open_tier):
-    from kvtier.tiers.readtrace import BEGIN, END, ReadTrace
+    from kvtier.tiers.dir.readtrace import BEGIN, END, ReadTrace
 
     tier = open_tier()
     c = make_chunks(10)
@@ -298,7 +298,7 @@ def test_a_window_smaller_than_an_object_keeps_two_reads_in_flight(open_tier):
     """However small the window, two objects are in flight: with one, each
     read would wait for the one before it to land."""
     from kvtier.tiers.readstream import MIN_INFLIGHT
-    from kvtier.tiers.readtrace import ReadTrace
+    from kvtier.tiers.dir.readtrace import ReadTrace
 
     tier = open_tier(read_window_bytes=OBJ // 2)
     c = make_chunks(8)
@@ -343,7 +343,7 @@ def _bufs(c) -> list[memoryview]:
 def test_fetch_into_copies_each_object_on_the_job_that_verified_it(open_tier, monkeypatch):
     """The caller's buffers are filled where objects are verified, on the
     tier's pool, not one after the other on the consumer's thread."""
-    import kvtier.tiers.aiostream as aiostream
+    import kvtier.tiers.dir.aiostream as aiostream
 
     copiers, real = [], aiostream.copy_into
     monkeypatch.setattr(aiostream, "copy_into", lambda dst, src: (copiers.append(threading.get_ident()), real(dst, src)))
@@ -394,7 +394,7 @@ def test_nothing_is_copied_into_the_callers_buffers_once_it_stopped(open_tier):
 
 
 def test_stop_returns_only_once_a_copy_under_way_ended(open_tier, monkeypatch):
-    import kvtier.tiers.aiostream as aiostream
+    import kvtier.tiers.dir.aiostream as aiostream
 
     began, ended, real = threading.Event(), threading.Event(), aiostream.copy_into
 
@@ -419,7 +419,7 @@ def test_stop_returns_only_once_a_copy_under_way_ended(open_tier, monkeypatch):
 
 
 def test_a_load_into_lent_buffers_reads_each_object_in_its_slot_and_copies_nothing(open_tier, monkeypatch):
-    import kvtier.tiers.aiostream as aiostream
+    import kvtier.tiers.dir.aiostream as aiostream
 
     copies, real = [], aiostream.copy_into
     monkeypatch.setattr(aiostream, "copy_into", lambda dst, src: (copies.append(1), real(dst, src)))

@@ -14,14 +14,14 @@ import pytest
 
 from kvtier.buffers import LoadBuffers
 from kvtier.metrics import Metrics
-from kvtier.tiers import nativestream
-from kvtier.tiers.aiostream import AioStream
-from kvtier.tiers.nativestream import NativeStream
+from kvtier.tiers.dir import nativestream
+from kvtier.tiers.dir.aiostream import AioStream
+from kvtier.tiers.dir.nativestream import NativeStream
 from kvtier.tiers.readstream import MIN_INFLIGHT
-from kvtier.tiers.readtrace import BEGIN, END, ReadTrace
+from kvtier.tiers.dir.readtrace import BEGIN, END, ReadTrace
 from kvtier.tiers.shared import SharedTier
 from tests.support import OBJ, assert_object, flip_byte, make_chunks, shared_config
-from tests.tiers.test_aiostream import CountingPool, _all_returned, _payloads
+from tests.tiers.dir.test_aiostream import CountingPool, _all_returned, _payloads
 
 
 def _can_build() -> bool:
@@ -230,7 +230,7 @@ def test_the_loop_takes_only_writable_buffers_of_its_objects_length():
     short for its object, or read-only, is refused before any read could
     land past its end."""
     from kvtier.buffers import alloc
-    from kvtier.tiers.aio import AioContext
+    from kvtier.tiers.dir.aio import AioContext
 
     nativestream.available()
     ctx = AioContext(64)

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtier.tiers.files import HOST, ObjectDir, pid_alive
+from kvtier.tiers.dir.files import HOST, ObjectDir, pid_alive
 
 LEASE_NAME = "gc.lease"
 

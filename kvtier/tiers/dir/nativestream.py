@@ -48,10 +48,10 @@ from kvtier.buffers import LoadBuffers, copy_into, slot
 from kvtier.codec import CHECKSUM_AT, CRC_AT, HEADER_STRUCT_SIZE, ChunkObject, Header, expected_head, expected_header
 from kvtier.concurrency.executor import LOAD, PriorityExecutor
 from kvtier.keys import ChunkKey
-from kvtier.tiers.aio import ContextPool
-from kvtier.tiers.files import OpenRead
+from kvtier.tiers.dir.aio import ContextPool
+from kvtier.tiers.dir.files import OpenRead
 from kvtier.tiers.readstream import MIN_INFLIGHT
-from kvtier.tiers.readtrace import ReadTrace
+from kvtier.tiers.dir.readtrace import ReadTrace
 
 log = logging.getLogger(__name__)
 

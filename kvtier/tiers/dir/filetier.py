@@ -26,14 +26,14 @@ from kvtier.concurrency.breaker import CircuitBreaker
 from kvtier.concurrency.executor import DELETE, LOAD, PriorityExecutor
 from kvtier.errors import CorruptObject
 from kvtier.keys import ChunkKey
-from kvtier.tiers import aio, beneath, nativestream
-from kvtier.tiers.aiostream import AioStream
-from kvtier.tiers.files import BaseHandle, ObjectDir, OpenRead
+from kvtier.tiers.dir import aio, beneath, nativestream
+from kvtier.tiers.dir.aiostream import AioStream
+from kvtier.tiers.dir.files import BaseHandle, ObjectDir, OpenRead
 from kvtier.tiers.pooled import PooledTier
-from kvtier.tiers.readpath import BUFFERED, DIRECT, ReadPathChooser
-from kvtier.tiers.readtrace import ReadTrace
+from kvtier.tiers.dir.readpath import BUFFERED, DIRECT, ReadPathChooser
+from kvtier.tiers.dir.readtrace import ReadTrace
 from kvtier.tiers.readstream import ReadStream
-from kvtier.tiers.stamps import LoadStamps, Owed
+from kvtier.tiers.dir.stamps import LoadStamps, Owed
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -41,10 +41,10 @@ from kvtier.buffers import LoadBuffers, address, align_up, copy_into, slot
 from kvtier.codec import ChunkObject
 from kvtier.concurrency.executor import LOAD, PriorityExecutor, usable_cpus
 from kvtier.keys import ChunkKey
-from kvtier.tiers.aio import AioContext, ContextPool
-from kvtier.tiers.files import OpenRead
+from kvtier.tiers.dir.aio import AioContext, ContextPool
+from kvtier.tiers.dir.files import OpenRead
 from kvtier.tiers.readstream import MIN_INFLIGHT
-from kvtier.tiers.readtrace import ReadTrace
+from kvtier.tiers.dir.readtrace import ReadTrace
 
 log = logging.getLogger(__name__)
 

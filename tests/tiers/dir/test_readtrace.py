@@ -3,7 +3,7 @@ start, the gaps between reads and its tail, from the AIO driver's events."""
 
 from __future__ import annotations
 
-from kvtier.tiers.readtrace import BEGIN, END, LoadIdle, idle_per_load
+from kvtier.tiers.dir.readtrace import BEGIN, END, LoadIdle, idle_per_load
 
 
 def test_a_loads_idle_time_is_split_into_start_gaps_and_tail():

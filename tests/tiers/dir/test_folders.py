@@ -1,4 +1,4 @@
-"""Whose folders the directory tiers use (tiers/folders.py).
+"""Whose folders the directory tiers use (tiers/dir/folders.py).
 
 A node's private tiers (node memory ``shm``, ``disk``) use only folders and
 lock files of their own user, writable by nobody else: another user of the

@@ -41,8 +41,8 @@ from kvtier.codec import HEADER_BLOCK, MAX_PAYLOAD, ChunkObject, Header, decode,
 from kvtier.config import ConfigError
 from kvtier.errors import CorruptObject
 from kvtier.keys import ChunkKey
-from kvtier.tiers import beneath, folders
-from kvtier.tiers.stamps import LoadStamps
+from kvtier.tiers.dir import beneath, folders
+from kvtier.tiers.dir.stamps import LoadStamps
 
 
 log = logging.getLogger(__name__)
