@@ -53,7 +53,8 @@ from kvtier.errors import ConfigError, CorruptObject
 from kvtier.keys import ChunkKey
 from kvtier.progress import Progress, silent
 from kvtier.tiers.disk import OWNER_LOCK
-from kvtier.tiers.dir.files import ObjectDir, ObjectEntry
+from kvtier.tiers.dir.files import ObjectDir
+from kvtier.tiers.dir.layout import ObjectEntry
 from kvtier.tiers.shm import NODE_LEDGER
 
 # A file under kvtier-v1/ and the kind of tier that keeps it; none: shared.

@@ -25,7 +25,9 @@ from kvtier.codec import ChunkObject
 from kvtier.config import ConfigError, opt
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import TierStats
-from kvtier.tiers.dir.files import ObjectDir, ObjectEntry, OpenRead
+from kvtier.tiers.dir.fileread import OpenRead
+from kvtier.tiers.dir.files import ObjectDir
+from kvtier.tiers.dir.layout import ObjectEntry
 from kvtier.tiers.dir.filetier import FileTier, FileTierConfig
 from kvtier.tiers.dir.stamps import LoadStamps
 

@@ -70,7 +70,7 @@ from kvtier.keys import ChunkKey
 from kvtier.tiers.base import TierStats
 from kvtier.tiers import s3_http, s3lease
 from kvtier.tiers.collector import Collector, GcResult, Trigger, WatermarkPolicy
-from kvtier.tiers.dir.files import LAYOUT_DIR
+from kvtier.tiers.dir.layout import LAYOUT_DIR
 from kvtier.tiers.pooled import PooledTier
 
 log = logging.getLogger(__name__)

@@ -31,7 +31,8 @@ from kvtier.keys import ChunkKey
 from kvtier.tiers.base import TierStats
 from kvtier.tiers.collector import Collector, GcResult, Trigger, WatermarkPolicy
 from kvtier.tiers.dir.lease import DirLeases
-from kvtier.tiers.dir.files import ObjectEntry, OpenRead
+from kvtier.tiers.dir.fileread import OpenRead
+from kvtier.tiers.dir.layout import ObjectEntry
 from kvtier.tiers.dir.filetier import FileTier, FileTierConfig
 from kvtier.tiers.dir.stamps import LoadStamps
 

@@ -48,7 +48,7 @@ from kvtier.codec import ChunkObject
 from kvtier.config import ConfigError, opt, size_field
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import TierStats
-from kvtier.tiers.dir.files import OpenRead
+from kvtier.tiers.dir.fileread import OpenRead
 from kvtier.tiers.dir.filetier import FileTier
 from kvtier.tiers.dir.stamps import LoadStamps
 

@@ -20,7 +20,9 @@ import pytest
 from kvtier.buffers import alloc
 from kvtier.codec import HEADER_BLOCK, ChunkObject, encode
 from kvtier.metrics import Metrics
-from kvtier.tiers.dir.files import HOST, ObjectDir, PendingWrite, _direct_writable
+from kvtier.tiers.dir.files import ObjectDir
+from kvtier.tiers.dir.filewrite import PendingWrite, _direct_writable
+from kvtier.tiers.dir.layout import HOST
 from kvtier.tiers.shared import SharedTier
 from tests.support import DTYPE, OBJ, assert_object, keys_for, make_chunks, shared_config
 from tests.tiers import shared_worker

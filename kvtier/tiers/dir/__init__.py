@@ -1,8 +1,11 @@
 """The directory tiers' machinery (``disk``, ``shm`` and ``shared`` are its
 kinds, one module each in ``tiers/``):
 
-    files        ``ObjectDir``: the on-disk layout, atomic publication,
-                 verified reads, quarantine, temp-file sweeping
+    files        ``ObjectDir``, the one door to the files, made of:
+      layout     names, folders opened level by level with O_NOFOLLOW
+      fileread   verified reads (``open_read``/``finish_read`` for drivers)
+      filewrite  atomic publication, removal, recency stamps, quarantine
+      filesweep  temp-file and quarantine sweeps, ``scan``
     folders      whose folders a tier uses, made and checked
     beneath      an object's whole path opened in one ``openat2``
     filetier     ``FileTier``: the base of the directory kinds

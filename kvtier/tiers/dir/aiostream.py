@@ -42,7 +42,7 @@ from kvtier.codec import ChunkObject
 from kvtier.concurrency.executor import LOAD, PriorityExecutor, usable_cpus
 from kvtier.keys import ChunkKey
 from kvtier.tiers.dir.aio import AioContext, ContextPool
-from kvtier.tiers.dir.files import OpenRead
+from kvtier.tiers.dir.fileread import OpenRead
 from kvtier.tiers.readstream import MIN_INFLIGHT
 from kvtier.tiers.dir.readtrace import ReadTrace
 

@@ -28,7 +28,9 @@ from kvtier.errors import CorruptObject
 from kvtier.keys import ChunkKey
 from kvtier.tiers.dir import aio, beneath, nativestream
 from kvtier.tiers.dir.aiostream import AioStream
-from kvtier.tiers.dir.files import BaseHandle, ObjectDir, OpenRead
+from kvtier.tiers.dir.fileread import OpenRead
+from kvtier.tiers.dir.files import ObjectDir
+from kvtier.tiers.dir.layout import BaseHandle
 from kvtier.tiers.pooled import PooledTier
 from kvtier.tiers.dir.readpath import BUFFERED, DIRECT, ReadPathChooser
 from kvtier.tiers.dir.readtrace import ReadTrace

@@ -19,7 +19,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtier.tiers.dir.files import HOST, ObjectDir, pid_alive
+from kvtier.tiers.dir.files import ObjectDir
+from kvtier.tiers.dir.layout import HOST, pid_alive
 
 LEASE_NAME = "gc.lease"
 

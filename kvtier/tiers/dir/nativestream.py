@@ -49,7 +49,7 @@ from kvtier.codec import CHECKSUM_AT, CRC_AT, HEADER_STRUCT_SIZE, ChunkObject, H
 from kvtier.concurrency.executor import LOAD, PriorityExecutor
 from kvtier.keys import ChunkKey
 from kvtier.tiers.dir.aio import ContextPool
-from kvtier.tiers.dir.files import OpenRead
+from kvtier.tiers.dir.fileread import OpenRead
 from kvtier.tiers.readstream import MIN_INFLIGHT
 from kvtier.tiers.dir.readtrace import ReadTrace
 
