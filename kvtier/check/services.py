@@ -46,7 +46,7 @@ def redis_tier(report: Report, label: str, config) -> None:
 def s3_tier(report: Report, label: str, config) -> None:
     from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
-    from kvtier.tiers.s3 import S3Tier
+    from kvtier.tiers.s3.tier import S3Tier
 
     name = f"{label} reach"
     config = dataclasses.replace(config, create_bucket=False, max_attempts=1)

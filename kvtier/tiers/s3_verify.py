@@ -64,7 +64,7 @@ def verify_s3(url: str, delete: bool = False, progress: Progress = silent, keyri
     missing bucket or refused credentials, also when lost on the way."""
     import botocore.exceptions
 
-    from kvtier.tiers.s3 import S3Tier
+    from kvtier.tiers.s3.tier import S3Tier
 
     trouble = (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError)
     spec = tier_spec(url, os.environ if environ is None else environ)

@@ -5,7 +5,7 @@ counted and the object quarantined; a later save stores it whole again.
 
 (The shared tier alone: tests/tiers/test_shared.py; every byte position and
 length: tests/test_codec.py; Redis and S3: tests/tiers/test_redis.py and
-tests/tiers/test_s3.py; inside vLLM: tests/integrations/vllm/test_e2e.py.)
+tests/tiers/s3/test_s3.py; inside vLLM: tests/integrations/vllm/test_e2e.py.)
 """
 
 from __future__ import annotations

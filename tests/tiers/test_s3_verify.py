@@ -14,8 +14,8 @@ from kvtier.codec import encode
 from kvtier.config import StoreConfig, TierSpec
 from kvtier.engine.store import TieredStore
 from kvtier.metrics import Metrics
-from kvtier.tiers import s3lease
-from kvtier.tiers.s3 import S3Tier
+from kvtier.tiers.s3 import lease as s3lease
+from kvtier.tiers.s3.tier import S3Tier
 from tests.support import DTYPE, keys_for, payload_for, plant_attacks, shape_for
 from tests.tiers.redisserver import free_port
 from tests.tiers.s3server import ACCESS_KEY, BUCKET, s3_config, shared_server

@@ -68,7 +68,7 @@ from kvtier.concurrency.executor import DELETE, MAINTENANCE, STORE, PriorityExec
 from kvtier.errors import CorruptObject
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import TierStats
-from kvtier.tiers import s3_http, s3lease
+from kvtier.tiers.s3 import lease as s3lease, presigned as s3_http
 from kvtier.tiers.collector import Collector, GcResult, Trigger, WatermarkPolicy
 from kvtier.tiers.dir.layout import LAYOUT_DIR
 from kvtier.tiers.pooled import PooledTier

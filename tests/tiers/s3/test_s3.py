@@ -15,9 +15,10 @@ import pytest
 from kvtier.config import parse_tier
 from kvtier.concurrency.breaker import CircuitBreaker
 from kvtier.metrics import Metrics
-from kvtier.tiers import s3lease
+from kvtier.tiers.s3 import lease as s3lease
 from kvtier.errors import ConfigError
-from kvtier.tiers.s3 import S3Config, S3Tier
+from kvtier.tiers.s3.tier import S3Config
+from kvtier.tiers.s3.tier import S3Tier
 from tests.support import OBJ, make_chunks
 from tests.tiers.s3server import BUCKET, S3Server, s3_config, shared_server, weed_binary
 
@@ -342,15 +343,15 @@ def test_a_hostile_key_prefix_is_refused_naming_the_key(location):
 
 
 def test_plain_http_reads_step_aside_for_a_proxy(monkeypatch):
-    """Reads go as presigned plain HTTP requests (s3_http) unless a proxy is
+    """Reads go as presigned plain HTTP requests (``presigned``) unless a proxy is
     configured for the endpoint: boto3 honours proxies, that path does not."""
-    from kvtier.tiers import s3_http
+    from kvtier.tiers.s3 import presigned
 
     for var in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "no_proxy", "NO_PROXY"):
         monkeypatch.delenv(var, raising=False)
-    assert s3_http.enabled("http://127.0.0.1:8333") and s3_http.enabled(None)
+    assert presigned.enabled("http://127.0.0.1:8333") and presigned.enabled(None)
     monkeypatch.setenv("http_proxy", "http://proxy.invalid:3128")
-    assert not s3_http.enabled("http://10.0.0.5:8333")
-    assert s3_http.enabled("https://s3.internal:8333")  # no proxy for https
+    assert not presigned.enabled("http://10.0.0.5:8333")
+    assert presigned.enabled("https://s3.internal:8333")  # no proxy for https
     monkeypatch.setenv("no_proxy", "10.0.0.5")
-    assert s3_http.enabled("http://10.0.0.5:8333")
+    assert presigned.enabled("http://10.0.0.5:8333")

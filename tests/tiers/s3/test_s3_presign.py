@@ -13,7 +13,7 @@ import pytest
 boto3 = pytest.importorskip("boto3")
 from botocore.config import Config  # noqa: E402
 
-from kvtier.tiers.s3_http import QuerySigner  # noqa: E402
+from kvtier.tiers.s3.presigned import QuerySigner  # noqa: E402
 
 KEYS = ["run1/" + "ab" * 32, "pre fix/ké y+%/x~y=z&w"]
 
