@@ -17,7 +17,7 @@ from kvtier.concurrency.breaker import CircuitBreaker
 from kvtier.metrics import Metrics
 from kvtier.tiers.s3 import lease as s3lease
 from kvtier.errors import ConfigError
-from kvtier.tiers.s3.tier import S3Config
+from kvtier.tiers.s3.config import S3Config
 from kvtier.tiers.s3.tier import S3Tier
 from tests.support import OBJ, make_chunks
 from tests.tiers.s3server import BUCKET, S3Server, s3_config, shared_server, weed_binary
