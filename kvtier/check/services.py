@@ -19,7 +19,7 @@ from kvtier.check.report import Report
 def redis_tier(report: Report, label: str, config) -> None:
     from redis.exceptions import AuthenticationError, RedisClusterException, RedisError, ResponseError
 
-    from kvtier.tiers.redis import RedisTier
+    from kvtier.tiers.redis.tier import RedisTier
 
     name = f"{label} reach"
     where = f"{config.address}{' (cluster)' if config.cluster else ''} with TLS {'on' if config.tls else 'off'}, " \

@@ -71,7 +71,7 @@ def verify_redis(url: str, delete: bool = False, progress: Progress = silent, ke
     docstring); with ``delete``, delete the bad ones. Raises ConfigError
     (exit status 2) for a bad URL, or a server that cannot be reached or is
     lost on the way."""
-    from kvtier.tiers.redis import _TROUBLE, RedisTier
+    from kvtier.tiers.redis.tier import _TROUBLE, RedisTier
 
     spec = tier_spec(url, os.environ if environ is None else environ)
     cfg = spec.config

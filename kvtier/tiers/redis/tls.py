@@ -1,6 +1,6 @@
 """TLS of the Redis tier, the same for both kinds of its connections:
 redis-py's (lookups, stores, scripts, a cluster's slot map) and the read
-path's own sockets (``redis_read``).
+path's own sockets (``readpool``).
 
 - The server's certificate is verified against ``tls_ca_file`` (empty: the
   system store) and, unless ``tls_check_hostname`` is off, must name the host

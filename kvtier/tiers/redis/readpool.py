@@ -13,7 +13,7 @@ A ``ReadConnection`` speaks only what kvtier's reads need of RESP2: the
 handshake (``AUTH``, ``SELECT``), ``GET``/``GETEX`` and their replies (a
 bulk string, nil, or an error). Lookups, stores, scripts and the cluster's
 slot map stay with redis-py, whose settings (timeouts, ACL user and password,
-TLS as ``redis_tls`` sets it up, database) these connections share.
+TLS as ``tls`` sets it up, database) these connections share.
 
 Threads: a connection is used by one thread at a time: taken from its
 ``ReadPool``, given back only after a complete reply. One that saw an error,
@@ -37,7 +37,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from kvtier.buffers import BufferPool, align_up
 from kvtier.errors import CorruptObject
-from kvtier.tiers import redis_tls
+from kvtier.tiers.redis import tls as redis_tls
 
 _MAX_LINE = 4096  # longest status or error line read (Redis' are far shorter)
 
@@ -57,7 +57,7 @@ class ReadConnection:
     """One socket to one server, connected and authenticated on creation."""
 
     def __init__(self, host: str, port: int, config: Any, tls: ssl.SSLContext | None = None):
-        """``tls``: the context of a TLS connection (``redis_tls.context``)."""
+        """``tls``: the context of a TLS connection (``tls.context``)."""
         sock = socket.create_connection((host, port), timeout=config.connect_timeout_s)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

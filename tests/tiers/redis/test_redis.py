@@ -18,7 +18,7 @@ from kvtier.config import parse_store_config, parse_tier
 from kvtier.concurrency.breaker import CircuitBreaker
 from kvtier.engine.store import TieredStore
 from kvtier.errors import ConfigError
-from kvtier.tiers.redis import RedisConfig, RedisTier
+from kvtier.tiers.redis.tier import RedisConfig, RedisTier
 from tests.support import NS, OBJ, assert_object, make_chunks, payload_for, shape_for
 from tests.tiers.harness import HARNESSES
 from tests.tiers.redisserver import RedisServer, free_port
@@ -363,7 +363,7 @@ def test_an_acl_user_made_by_the_documented_line_can_do_everything(server, metri
     """docs/deploy.md gives the ACL line for kvtier's user; Redis checks the
     commands of kvtier's scripts against it too. Run every operation as that
     user (with ttl_s, for GETEX and PEXPIRE)."""
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "deploy.md").read_text()
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "deploy.md").read_text()
     line = re.search(r"^ACL SETUSER kvtier .*$", doc, re.M)
     assert line, "docs/deploy.md lost its ACL SETUSER line"
     args = line.group(0).replace(">PASSWORD", ">acl-secret").split()

@@ -25,7 +25,7 @@ Names (only hex digests; no token, model or tenant text)::
   than ``capacity``, except for victims of a client that died between the
   script and its deletes: ``ttl_s`` or Redis' own ``maxmemory`` policy (the
   operator's backstop, see docs/deploy.md) reclaims those.
-- TLS (``tls``, or a ``rediss://`` URL): ``redis_tls``, the same settings
+- TLS (``tls``, or a ``rediss://`` URL): the ``tls`` module, the same settings
   for redis-py's connections and the read path's.
 - Trouble: socket timeouts on every call, no client-side retries (the breaker
   and recompute are the retry), a circuit breaker around every operation.
@@ -57,9 +57,9 @@ from kvtier.concurrency.executor import DELETE, LOAD, PriorityExecutor
 from kvtier.errors import CorruptObject
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import TierStats
-from kvtier.tiers import redis_tls
+from kvtier.tiers.redis import tls as redis_tls
 from kvtier.tiers.pooled import PooledTier
-from kvtier.tiers.redis_read import ReadPool, Redirected
+from kvtier.tiers.redis.readpool import ReadPool, Redirected
 
 log = logging.getLogger(__name__)
 

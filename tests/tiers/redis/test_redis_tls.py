@@ -18,10 +18,10 @@ from kvtier.cli import main
 from kvtier.config import load_config, parse_tier
 from kvtier.concurrency.breaker import CircuitBreaker
 from kvtier.errors import ConfigError
-from kvtier.tiers.redis import RedisTier
+from kvtier.tiers.redis.tier import RedisTier
 from tests.support import make_chunks
 from tests.tiers.redisserver import RedisServer
-from tests.tiers.test_redis import fetched
+from tests.tiers.redis.test_redis import fetched
 from tests.tiers.tlscerts import encrypted_copy, make_pki
 
 
