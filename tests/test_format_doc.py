@@ -221,7 +221,8 @@ def test_redis_and_s3_names_follow_the_doc(monkeypatch):
     pytest.importorskip("redis")
     pytest.importorskip("botocore")
     from kvtier.keys import Namespace, chunk_keys
-    from kvtier.tiers.redis.tier import RedisConfig, RedisTier
+    from kvtier.tiers.redis.config import RedisConfig
+    from kvtier.tiers.redis.tier import RedisTier
     from kvtier.tiers.s3.config import S3Config
     from kvtier.tiers.s3.tier import S3Tier
 

@@ -18,7 +18,8 @@ from kvtier.codec import encode
 from kvtier.config import StoreConfig, TierSpec
 from kvtier.engine.store import TieredStore
 from kvtier.metrics import Metrics
-from kvtier.tiers.redis.tier import RedisConfig, RedisTier
+from kvtier.tiers.redis.config import RedisConfig
+from kvtier.tiers.redis.tier import RedisTier
 from tests.support import DTYPE, keys_for, payload_for, plant_attacks, shape_for
 from tests.tiers.redisserver import RedisServer, free_port
 from tests.tiers.tlscerts import make_pki

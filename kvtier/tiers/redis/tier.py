@@ -42,8 +42,7 @@ import logging
 import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import redis
 from redis.backoff import NoBackoff
@@ -52,13 +51,13 @@ from redis.retry import Retry
 
 from kvtier.buffers import align_up
 from kvtier.codec import HEADER_BLOCK, MAX_PAYLOAD, ChunkObject, decode, key_of
-from kvtier.config import ConfigError, opt, size_field
 from kvtier.concurrency.executor import DELETE, LOAD, PriorityExecutor
 from kvtier.errors import CorruptObject
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import TierStats
-from kvtier.tiers.redis import tls as redis_tls
 from kvtier.tiers.pooled import PooledTier
+from kvtier.tiers.redis import scripts, tls as redis_tls
+from kvtier.tiers.redis.config import RedisConfig
 from kvtier.tiers.redis.readpool import ReadPool, Redirected
 
 log = logging.getLogger(__name__)
@@ -67,122 +66,6 @@ _MAX_VALUE = HEADER_BLOCK + MAX_PAYLOAD  # longer is not a chunk object: never r
 # What storage trouble looks like: redis-py's errors (the cluster client's
 # slot-map failures are not RedisErrors) and socket errors.
 _TROUBLE = (RedisError, RedisClusterException, OSError)
-
-
-@dataclass(frozen=True)
-class RedisConfig:
-    address: str = opt("", "host:port of the server, or of any cluster node (comma-separated for several)")
-    capacity: int = size_field(0, "bytes kvtier may keep under key_prefix (required; enforced by kvtier itself)")
-    name: str = opt("redis", "tier name in metrics and logs")
-    db: int = opt(0, "database number (0 on a cluster)", ge=0)
-    username: str = opt("", "ACL user name (empty: default user)")
-    password: str = field(default="", repr=False, metadata={"doc": "password (never logged; prefer KVTIER_* env or a file readable only by kvtier)"})
-    tls: bool = opt(False, "connect with TLS (the URL scheme rediss:// sets it)")
-    tls_ca_file: str = opt("", "CA bundle (PEM) that signs the server certificate (empty: system store)")
-    tls_cert_file: str = opt("", "client certificate (PEM) presented to the server (a Redis with tls-auth-clients yes needs one)")
-    tls_key_file: str = opt("", "private key (PEM, unencrypted) of tls_cert_file (empty: in tls_cert_file)")
-    tls_check_hostname: bool = opt(True, "the server certificate must name the host in address (its IP SANs for an IP address)")
-    cluster: bool = opt(False, "talk to a Redis Cluster (objects spread over all slots)")
-    key_prefix: str = opt("kvtier:v1:", "prefix of every key kvtier writes; one capacity budget per prefix")
-    # Optional[...], not "float | None": config._coerce recognises typing.Union only.
-    ttl_s: Optional[float] = opt(None, "expire objects not read for this long (optional; reads refresh it)")
-    socket_timeout_s: float = opt(1.0, "timeout of every command", gt=0)
-    connect_timeout_s: float = opt(1.0, "timeout of connecting", gt=0)
-    pool_size: int = opt(32, "connections per server (at least io_threads + 4)", ge=1)
-    io_threads: int = opt(16, "threads of this tier's I/O pool", ge=1)
-    read_window_bytes: int = size_field(64 << 20, "bytes of reads in flight per load")
-
-    def validate(self, prefix: str = "") -> None:
-        if not self.address:
-            raise ConfigError(f"{prefix}address", "is required", "set it, e.g. redis://10.0.0.5:6379?capacity=64GiB")
-        if "@" in self.address or "/" in self.address:
-            raise ConfigError(f"{prefix}address", "must be host:port only (no user:password@, no scheme or path)",
-                              "set the password in KVTIER_REDIS_PASSWORD (or password: in the config file), never in the address")
-        for i, node in enumerate(self.nodes()):
-            if node is None:
-                raise ConfigError(f"{prefix}address", f"cannot read node {i} as host:port", "write e.g. 10.0.0.5:6379")
-        if self.capacity <= 0:
-            raise ConfigError(f"{prefix}capacity", "must be set", "set how much kvtier may keep in Redis, e.g. capacity: 64GiB")
-        if self.cluster and self.db != 0:
-            raise ConfigError(f"{prefix}db", "a cluster has only database 0", "remove db or set it to 0")
-        if not self.key_prefix or "{" in self.key_prefix or "}" in self.key_prefix:
-            raise ConfigError(f"{prefix}key_prefix", "must be non-empty and hold no braces (hash tags)", "use e.g. kvtier:v1:")
-        for name in ("socket_timeout_s", "connect_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{prefix}{name}", "must be positive", "use e.g. 1.0")
-        if self.ttl_s is not None and self.ttl_s <= 0:
-            raise ConfigError(f"{prefix}ttl_s", "must be positive", "remove it or set seconds, e.g. 86400")
-        if self.io_threads <= 0:
-            raise ConfigError(f"{prefix}io_threads", "must be positive", "use e.g. 16")
-        if self.pool_size < self.io_threads + 4:
-            raise ConfigError(f"{prefix}pool_size", f"must be at least io_threads + 4 ({self.io_threads + 4})", "raise pool_size")
-        if self.read_window_bytes <= 0:
-            raise ConfigError(f"{prefix}read_window_bytes", "must be positive", "use e.g. 64MiB")
-        redis_tls.check(self, prefix)
-
-    def nodes(self) -> list[tuple[str, int] | None]:
-        out: list[tuple[str, int] | None] = []
-        for part in self.address.split(","):
-            host, _, port = part.strip().rpartition(":")
-            host = host.strip("[]")
-            out.append((host, int(port)) if host and port.isdigit() else None)
-        return out
-
-
-# KEYS: lru, size, seq, used. ARGV: capacity, then name, bytes per object.
-# Returns {status per admitted object (1 new, 0 already indexed), victims,
-# used, count}; it stops at an object larger than the whole capacity.
-_ADMIT = """
-local cap = tonumber(ARGV[1])
-local used = tonumber(redis.call('GET', KEYS[4]) or '0')
-local status, victims = {}, {}
-for i = 2, #ARGV, 2 do
-  local m, size = ARGV[i], tonumber(ARGV[i + 1])
-  local seq = redis.call('INCR', KEYS[3])
-  if redis.call('ZSCORE', KEYS[1], m) then
-    redis.call('ZADD', KEYS[1], seq, m)
-    status[#status + 1] = 0
-  else
-    if size > cap then break end
-    while used + size > cap do
-      local v = redis.call('ZPOPMIN', KEYS[1])
-      if #v == 0 then break end
-      used = used - tonumber(redis.call('HGET', KEYS[2], v[1]) or '0')
-      redis.call('HDEL', KEYS[2], v[1])
-      victims[#victims + 1] = v[1]
-    end
-    redis.call('ZADD', KEYS[1], seq, m)
-    redis.call('HSET', KEYS[2], m, size)
-    used = used + size
-    status[#status + 1] = 1
-  end
-end
-if used < 0 then used = 0 end
-redis.call('SET', KEYS[4], used)
-return {status, victims, used, redis.call('ZCARD', KEYS[1])}
-"""
-
-# KEYS: lru, seq. ARGV: names read. Makes them the most recent, in order.
-_TOUCH = """
-for i = 1, #ARGV do
-  redis.call('ZADD', KEYS[1], 'XX', redis.call('INCR', KEYS[2]), ARGV[i])
-end
-return 0
-"""
-
-# KEYS: lru, size, used. ARGV: names deleted. Returns {used, count}.
-_FORGET = """
-local used = tonumber(redis.call('GET', KEYS[3]) or '0')
-for i = 1, #ARGV do
-  if redis.call('ZREM', KEYS[1], ARGV[i]) == 1 then
-    used = used - tonumber(redis.call('HGET', KEYS[2], ARGV[i]) or '0')
-    redis.call('HDEL', KEYS[2], ARGV[i])
-  end
-end
-if used < 0 then used = 0 end
-redis.call('SET', KEYS[3], used)
-return {used, redis.call('ZCARD', KEYS[1])}
-"""
 
 
 class RedisTier(PooledTier):
@@ -214,7 +97,7 @@ class RedisTier(PooledTier):
             if self._client is None:
                 self._client = self._connect()
                 self._scripts = {
-                    n: self._client.register_script(s) for n, s in (("admit", _ADMIT), ("touch", _TOUCH), ("forget", _FORGET))
+                    n: self._client.register_script(s) for n, s in (("admit", scripts.ADMIT), ("touch", scripts.TOUCH), ("forget", scripts.FORGET))
                 }
             return self._client
 

@@ -18,7 +18,8 @@ from kvtier.config import parse_store_config, parse_tier
 from kvtier.concurrency.breaker import CircuitBreaker
 from kvtier.engine.store import TieredStore
 from kvtier.errors import ConfigError
-from kvtier.tiers.redis.tier import RedisConfig, RedisTier
+from kvtier.tiers.redis.config import RedisConfig
+from kvtier.tiers.redis.tier import RedisTier
 from tests.support import NS, OBJ, assert_object, make_chunks, payload_for, shape_for
 from tests.tiers.harness import HARNESSES
 from tests.tiers.redisserver import RedisServer, free_port
