@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 _REC = struct.Struct("<32s8sd")
 _FLUSH_S = 2.0
-OWNER_LOCK = "disk.lock"  # under kvtier-v1/; `kvtier store` tries it too (tiers/admin.py)
+OWNER_LOCK = "disk.lock"  # under kvtier-v1/; `kvtier store` tries it too (admin/dirstore.py)
 ACCESS_LOG = "access.log"  # under kvtier-v1/; `kvtier store gc --dry-run` reads it too
 
 

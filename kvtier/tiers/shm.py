@@ -55,7 +55,7 @@ from kvtier.tiers.dir.stamps import LoadStamps
 log = logging.getLogger(__name__)
 
 _U64 = struct.Struct("<Q")
-NODE_LEDGER = "node.ledger"  # under kvtier-v1/; marks the folder as a node memory tier's (tiers/admin.py)
+NODE_LEDGER = "node.ledger"  # under kvtier-v1/; marks the folder as a node memory tier's (admin/dirstore.py)
 
 
 def default_dir() -> str:

@@ -1,5 +1,5 @@
 """``kvtier store verify --tier redis://HOST:PORT``: every object of a Redis
-tier checked from outside the engines, as ``tiers/admin.py`` checks a
+tier checked from outside the engines, as ``admin/dirstore.py`` checks a
 directory tier's.
 
 The tier is opened as an engine opens it (``RedisTier``: the same client,

@@ -19,7 +19,7 @@ from kvtier.tiers.s3.tier import S3Tier
 from tests.support import DTYPE, keys_for, payload_for, plant_attacks, shape_for
 from tests.tiers.redisserver import free_port
 from tests.tiers.s3server import ACCESS_KEY, BUCKET, s3_config, shared_server
-from tests.tiers.test_redis_verify import assert_verify_reports_then_deletes
+from tests.admin.test_redis_verify import assert_verify_reports_then_deletes
 
 SECRET = "kvtier-verify-s3cret-access-key"
 

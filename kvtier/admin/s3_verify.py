@@ -33,7 +33,7 @@ from kvtier.codec import HEADER_BLOCK, MAX_PAYLOAD
 from kvtier.config import ConfigError, TierSpec, parse_tier, parse_tier_url, with_env_secrets
 from kvtier.errors import CorruptObject
 from kvtier.progress import Progress, silent
-from kvtier.tiers.redis_verify import RedisReport, check_value
+from kvtier.admin.redis_verify import RedisReport, check_value
 
 _MAX_VALUE = HEADER_BLOCK + MAX_PAYLOAD  # longer is not a chunk object: never fetched
 _FIX = ("check the endpoint (endpoint=http://HOST:PORT in the URL), that the server runs and the bucket exists; "

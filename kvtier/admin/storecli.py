@@ -1,10 +1,10 @@
 """``kvtier store ls|stat|verify|gc --dir DIR``: a directory tier's store,
 administered from outside the engines. Each command opens it with
-``AdminStore`` (``tiers/admin.py``), which tells the tier's kind and honours
+``AdminStore`` (``admin/dirstore.py``), which tells the tier's kind and honours
 its owner: ``ls`` and ``stat`` only look; ``verify`` and ``gc`` refuse a
 running engine's disk tier (exit status 2, naming the fix) and work on a
 shared directory from any node. ``gc`` deletes no more than a routine pass
-would unless ``--yes`` confirms it (``admin.confirm``): a ``--capacity``
+would unless ``--yes`` confirms it (``dirstore.confirm``): a ``--capacity``
 far below the tier's real one must not empty it.
 """
 
@@ -102,7 +102,7 @@ def _look(args: argparse.Namespace):
     """The store at ``--dir``, opened to look only: nothing is created,
     swept, written or claimed (a missing store is an error; a read-only mount
     works; a running engine's disk tier is left be)."""
-    from kvtier.tiers.admin import AdminStore
+    from kvtier.admin.dirstore import AdminStore
 
     return AdminStore(args.dir).dir
 
@@ -168,16 +168,16 @@ def cmd_store_stat(args: argparse.Namespace) -> int:
 
 def cmd_store_verify(args: argparse.Namespace) -> int:
     from kvtier.auth import load_keyring
-    from kvtier.tiers.admin import AdminStore
+    from kvtier.admin.dirstore import AdminStore
 
     key_file = args.auth_key_file if args.auth_key_file is not None else os.environ.get("KVTIER_AUTH_KEY_FILE", "")
     keyring = load_keyring(key_file, "--auth-key-file") if key_file else None
     bars = progress.bars(not args.no_progress)
     if args.tier is not None:
         if args.tier.partition("://")[0] == "s3":
-            from kvtier.tiers.s3_verify import verify_s3 as verify_url
+            from kvtier.admin.s3_verify import verify_s3 as verify_url
         else:
-            from kvtier.tiers.redis_verify import verify_redis as verify_url
+            from kvtier.admin.redis_verify import verify_redis as verify_url
 
         report = verify_url(args.tier, delete=args.quarantine, progress=bars, keyring=keyring)
         done, hint = "deleted", "left in place; --quarantine deletes them"
@@ -197,7 +197,7 @@ def cmd_store_verify(args: argparse.Namespace) -> int:
 def cmd_store_gc(args: argparse.Namespace) -> int:
     if not args.capacity:
         raise ConfigError("--capacity", "is required for gc", "pass the shared tier's capacity, e.g. --capacity 10TiB")
-    from kvtier.tiers.admin import AdminStore
+    from kvtier.admin.dirstore import AdminStore
 
     cfg = _gc_config(args)
     with AdminStore(args.dir) as store:  # an existing store only: gc never creates one
