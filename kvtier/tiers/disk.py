@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.codec import ChunkObject
-from kvtier.config import ConfigError, opt
+from kvtier.configfields import opt
+from kvtier.errors import ConfigError
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import TierStats
 from kvtier.tiers.dir.fileread import OpenRead

@@ -21,7 +21,8 @@ from typing import Callable, Sequence, TypeVar
 
 from kvtier.buffers import LoadBuffers, align_up
 from kvtier.codec import HEADER_BLOCK, ChunkObject, Header, key_of, layout
-from kvtier.config import ConfigError, opt, size_field
+from kvtier.configfields import opt, size_field
+from kvtier.errors import ConfigError
 from kvtier.concurrency.breaker import CircuitBreaker
 from kvtier.concurrency.executor import DELETE, LOAD, PriorityExecutor
 from kvtier.errors import CorruptObject

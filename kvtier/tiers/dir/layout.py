@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from kvtier.config import ConfigError
+from kvtier.errors import ConfigError
 from kvtier.keys import ChunkKey
 from kvtier.tiers.dir import folders
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from kvtier.config import ConfigError, opt, size_field
+from kvtier.configfields import opt, size_field
+from kvtier.errors import ConfigError
 from kvtier.tiers.redis import tls as redis_tls
 
 
@@ -25,7 +26,7 @@ class RedisConfig:
     tls_check_hostname: bool = opt(True, "the server certificate must name the host in address (its IP SANs for an IP address)")
     cluster: bool = opt(False, "talk to a Redis Cluster (objects spread over all slots)")
     key_prefix: str = opt("kvtier:v1:", "prefix of every key kvtier writes; one capacity budget per prefix")
-    # Optional[...], not "float | None": config._coerce recognises typing.Union only.
+    # Optional[...], not "float | None": configfields._coerce recognises typing.Union only.
     ttl_s: Optional[float] = opt(None, "expire objects not read for this long (optional; reads refresh it)")
     socket_timeout_s: float = opt(1.0, "timeout of every command", gt=0)
     connect_timeout_s: float = opt(1.0, "timeout of connecting", gt=0)

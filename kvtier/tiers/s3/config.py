@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvtier.config import ConfigError, check_watermarks, opt, size_field
+from kvtier.configfields import check_watermarks, opt, size_field
+from kvtier.errors import ConfigError
 
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 _PREFIX = re.compile(r"^[A-Za-z0-9._\-/]{0,512}$")
