@@ -32,7 +32,7 @@ The edges (``kvtier.`` left out; the layer-0 nodes import nothing of kvtier):
     engine        -> auth, buffers, codec, concurrency, config, errors, keys, metrics, tiers
     integrations  -> codec, concurrency, config, engine, errors, keys, metrics, tiers
     admin         -> argtypes, auth, codec, config, errors, keys, progress, tiers
-    bench         -> kvtier (_readloop), argtypes, auth, buffers, codec, config, engine, errors, keys,
+    bench         -> kvtier (its path), argtypes, auth, buffers, codec, config, engine, errors, keys,
                      progress, tiers, version
     serve         -> config, errors, integrations
     plan          -> argtypes, bench, config, errors, progress, tiers
