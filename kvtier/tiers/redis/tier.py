@@ -203,7 +203,7 @@ class RedisTier(PooledTier):
 
     def _read_one(self, key: ChunkKey) -> ChunkObject | None:
         """GET and verify one object into a pooled buffer (runs on the pool):
-        the value is received straight into the buffer (``redis_read``).
+        the value is received straight into the buffer (``readpool``).
         Raises RedisError or OSError for trouble; the stream ends there."""
         t0 = time.perf_counter()
         name = self._name(key)
