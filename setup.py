@@ -2,7 +2,7 @@
 
 Everything else is in pyproject.toml. The extension is optional: where it
 cannot be built (no C compiler, no Python headers), kvtier installs without
-it and its directory tiers read with the Python driver (kvtier.tiers.aiostream).
+it and its directory tiers read with the Python driver (kvtier.tiers.dir.aiostream).
 """
 
 from setuptools import Extension, setup

@@ -2,8 +2,8 @@
 
     kvtier bench storage|resume|soak ...   benchmarks (kvtier/bench/cli.py)
     kvtier demo ...                        the quick cold-resume benchmark (kvtier/bench/cli.py)
-    kvtier store ls|stat|verify|gc --dir DIR   a directory tier's store (kvtier/tiers/cli.py)
-    kvtier auth keygen|id|add|promote|remove FILE   the cluster key file (kvtier/authcli.py)
+    kvtier store ls|stat|verify|gc --dir DIR   a directory tier's store (kvtier/admin/storecli.py)
+    kvtier auth keygen|id|add|promote|remove FILE   the cluster key file (kvtier/admin/authcli.py)
     kvtier serve MODEL ...                 vLLM's server with kvtier (kvtier/serve.py)
     kvtier plan ...                        capacity planning (kvtier/plan/cli.py)
     kvtier check [--config FILE | --kv-transfer-config JSON]   a node before a rollout (kvtier/check/cli.py)
@@ -29,16 +29,16 @@ import logging
 import os
 import sys
 
-from kvtier import authcli, serve
+from kvtier import serve
+from kvtier.admin import authcli, storecli
 from kvtier.bench import cli as bench_cli
 from kvtier.check import cli as check_cli
 from kvtier.errors import ConfigError
 from kvtier.plan import cli as plan_cli
-from kvtier.tiers import cli as store_cli
 from kvtier.version import __version__
 
 # In the order of ``kvtier --help``.
-COMMANDS = (bench_cli, store_cli, authcli, serve, plan_cli, check_cli)
+COMMANDS = (bench_cli, storecli, authcli, serve, plan_cli, check_cli)
 
 
 def build_parser() -> argparse.ArgumentParser:

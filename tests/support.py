@@ -26,7 +26,7 @@ import pytest
 from kvtier.codec import CHECKSUM_AT, CRC_AT, HEADER_BLOCK, ChunkObject, encode, payload_checksum
 from kvtier.keys import ChunkKey, Namespace, chunk_keys
 from kvtier.tiers.disk import DiskConfig
-from kvtier.tiers.files import ObjectDir
+from kvtier.tiers.dir.files import ObjectDir
 from kvtier.tiers.memory import MemoryConfig
 from kvtier.tiers.shared import SharedConfig
 

@@ -351,7 +351,7 @@ def test_tier_secrets_come_from_the_environment_and_never_show(caplog):
     assert (first.password, first.username) == ("s3cr3t-all", "kv")
     assert other.password == "s3cr3t-other"  # the tier's own variable first
     assert "s3cr3t" not in repr(cfg) and "s3cr3t" not in str(cfg)
-    from kvtier.tiers.redis import RedisTier
+    from kvtier.tiers.redis.tier import RedisTier
 
     tier = RedisTier(first)
     try:

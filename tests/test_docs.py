@@ -205,3 +205,46 @@ def test_links_checker_finds_what_is_broken(tmp_path: Path):
     )
     broken = broken_links(page)
     assert [b.split(":")[1].strip() for b in broken] == ["missing.md", "a.md#nope", "a.md#not-a-heading"]
+
+
+# ---------------------------------------------------------------- layout
+
+_LAYOUT_ITEM = re.compile(r"^- `([a-z0-9_/]+/)`: (.*)$", re.MULTILINE)
+
+
+def layout_mismatches(page: str, package: Path) -> list[str]:
+    """How docs/architecture.md's folder list ("Layout: which folder owns
+    what") and ``package``'s tree differ: a package folder with modules of
+    its own that the list leaves out, a folder it names that is no package,
+    a module an item names that is not in its folder (or, written as a
+    path from the repository's root, not there)."""
+    section = page.partition("## Layout: which folder owns what")[2].partition("\n## ")[0]
+    items = {folder: text for folder, text in _LAYOUT_ITEM.findall(section)}
+    folders = {f"{p.parent.relative_to(package).as_posix()}/".replace("./", "")
+               for p in package.rglob("__init__.py") if any(m.name != "__init__.py" for m in p.parent.glob("*.py"))}
+    folders = {f"{package.name}/" if f == "" else f for f in folders}
+    found = [f"the list leaves out {f}" for f in sorted(folders - set(items))]
+    found += [f"{f} is no package folder" for f in sorted(set(items) - folders)]
+    for folder, text in items.items():
+        base = package if folder == f"{package.name}/" else package / folder
+        for name in re.findall(r"`([\w/.]+\.(?:py|c))`", text):
+            where = package.parent / name if "/" in name else base / name
+            if not where.exists():
+                found.append(f"{folder}: no {name}")
+    return found
+
+
+def test_the_architecture_pages_folder_list_matches_the_tree():
+    found = layout_mismatches((ROOT / "docs" / "architecture.md").read_text(), ROOT / "kvtier")
+    assert not found, "docs/architecture.md's folder list and kvtier/ differ:\n  " + "\n  ".join(found)
+
+
+def test_the_folder_list_check_finds_what_differs(tmp_path: Path):
+    for f in ("pkg/__init__.py", "pkg/a.py", "pkg/sub/__init__.py", "pkg/sub/b.py", "pkg/new/__init__.py",
+              "pkg/new/n.py", "pkg/only/__init__.py", "pkg/only/below/__init__.py", "pkg/only/below/d.py"):
+        (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / f).write_text("")
+    page = ("## Layout: which folder owns what\n\n- `pkg/`: `a.py`, `gone.py`\n- `sub/`: `b.py`, `pkg/sub/b.py`\n"
+            "- `only/below/`: `d.py`\n- `old/`: `c.py`\n\n## Next\n\n- `new/`: listed outside the section\n")
+    assert layout_mismatches(page, tmp_path / "pkg") == [
+        "the list leaves out new/", "old/ is no package folder", "pkg/: no gone.py", "old/: no c.py"]

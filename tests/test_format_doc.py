@@ -137,7 +137,7 @@ def written(tmp_path):
     shards of the last chunk. Returns the root and [(what, shape, payload)]."""
     from kvtier.codec import encode
     from kvtier.keys import Namespace, chunk_keys, shard_key
-    from kvtier.tiers.files import ObjectDir
+    from kvtier.tiers.dir.files import ObjectDir
 
     ns = Namespace(**dict(NS_FIELDS))
     odir = ObjectDir(tmp_path, "test")
@@ -221,8 +221,10 @@ def test_redis_and_s3_names_follow_the_doc(monkeypatch):
     pytest.importorskip("redis")
     pytest.importorskip("botocore")
     from kvtier.keys import Namespace, chunk_keys
-    from kvtier.tiers.redis import RedisConfig, RedisTier
-    from kvtier.tiers.s3 import S3Config, S3Tier
+    from kvtier.tiers.redis.config import RedisConfig
+    from kvtier.tiers.redis.tier import RedisTier
+    from kvtier.tiers.s3.config import S3Config
+    from kvtier.tiers.s3.tier import S3Tier
 
     key = chunk_keys(Namespace(**dict(NS_FIELDS)), TOKENS)[0]
     nsd = namespace_digest(NS_FIELDS)

@@ -49,7 +49,7 @@ from typing import Iterator, Sequence
 
 from kvtier.codec import ChunkObject, decode
 from kvtier.config import ConfigError, opt, size_field
-from kvtier.engine.executor import STORE, PriorityExecutor
+from kvtier.concurrency.executor import STORE, PriorityExecutor
 from kvtier.errors import CorruptObject
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import Tier, TierStats

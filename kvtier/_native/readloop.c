@@ -1,5 +1,5 @@
 /* kvtier._readloop: a directory tier's O_DIRECT load, run in one native call
- * without the GIL (kvtier/tiers/nativestream.py drives it; docs/architecture.md).
+ * without the GIL (kvtier/tiers/dir/nativestream.py drives it; docs/architecture.md).
  *
  * Why native: in Python a verified cold read cost about twice fio's CPU per
  * GB, most of it neither the kernel's nor the checksum's but the interpreter's

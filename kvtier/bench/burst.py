@@ -25,7 +25,7 @@ from typing import Sequence
 
 from kvtier.bench.storage_common import LoadPass, StorageBenchError, cpu_seconds
 from kvtier.buffers import address, align_up, alloc
-from kvtier.tiers import aio
+from kvtier.tiers.dir import aio
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 

@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 
 from kvtier.buffers import alloc
 from kvtier.bench.storage_common import LoadPass, cpu_seconds
-from kvtier.tiers.s3_http import QuerySigner
+from kvtier.tiers.s3.presigned import QuerySigner
 
 
 class CeilingMissing(RuntimeError):
@@ -183,7 +183,7 @@ def s3_presigned_ceiling(client: Any, bucket: str, names: Sequence[str], object_
     """Plain GETs of URLs presigned for a boto3 client, sent over one
     kept-alive ``http.client`` connection per thread, each body read straight
     into a buffer of the reading thread. URLs are signed the cheapest way
-    kvtier knows, as its own reads sign them (``s3_http.QuerySigner``, else
+    kvtier knows, as its own reads sign them (``presigned.QuerySigner``, else
     the client's ``generate_presigned_url``)."""
     local = threading.local()
     signer = QuerySigner.learn(client, bucket)

@@ -34,7 +34,7 @@ from typing import Sequence
 
 from kvtier.bench.storage_common import LoadPass, StorageBenchError, cpu_seconds
 from kvtier.buffers import alloc
-from kvtier.tiers import aio, beneath, nativestream
+from kvtier.tiers.dir import aio, beneath, nativestream
 
 _WAIT_S = 60.0  # one object's longest wait: past it the run fails rather than hang
 

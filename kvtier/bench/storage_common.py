@@ -30,7 +30,7 @@ from kvtier.bench.fio import FioRead
 from kvtier.bench.models import ModelShape
 from kvtier.progress import Progress
 from kvtier.tiers.memory import MemoryConfig
-from kvtier.tiers.readtrace import BEGIN, END, ReadTrace
+from kvtier.tiers.dir.readtrace import BEGIN, END, ReadTrace
 
 MiB = 1 << 20
 GiB = 1 << 30

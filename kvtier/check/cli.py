@@ -131,7 +131,7 @@ def _tier_checks() -> dict:
     from kvtier.tiers.shm import default_dir
 
     def memory(report, label, cfg, store):
-        # The vLLM connector keeps it in the node's memory folder (settings.node_memory).
+        # The vLLM connector keeps it in the node's memory folder (topology.node_memory).
         root = store.node_memory_dir or default_dir()
         folders.private_folder(report, label, os.path.join(root, cfg.name), cfg.capacity, memory=True, root=root)
 

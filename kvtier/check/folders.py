@@ -30,7 +30,7 @@ from pathlib import Path
 
 from kvtier.check.report import Report
 from kvtier.config import fmt_bytes
-from kvtier.tiers.files import LAYOUT_DIR
+from kvtier.tiers.dir.layout import LAYOUT_DIR
 
 _MEMORY_FS = ("tmpfs", "ramfs")
 # File systems that only this node sees: a shared tier there shares only
@@ -164,7 +164,7 @@ def _store_format(report: Report, label: str, p: Path) -> None:
 def _first_object(objects: Path) -> Path | None:
     """One object file below ``objects/<namespace>/<xx>/``, if any (a few
     folders looked into at each level, however many there are)."""
-    from kvtier.tiers.files import SUFFIX
+    from kvtier.tiers.dir.layout import SUFFIX
 
     for ns in _entries(objects, dirs=True):
         for xx in _entries(ns, dirs=True):

@@ -75,7 +75,7 @@ def installed_vllm() -> str | None:
 
 
 def vllm_release(report: Report, version: str | None) -> None:
-    from kvtier.integrations.vllm.settings import NEWEST_VLLM, OLDEST_VLLM, _release
+    from kvtier.integrations.vllm.versions import NEWEST_VLLM, OLDEST_VLLM, release as _release
 
     oldest, newest = ".".join(map(str, OLDEST_VLLM)), ".".join(map(str, NEWEST_VLLM))
     supported = f"kvtier supports vLLM {oldest} to {newest}.x"

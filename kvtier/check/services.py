@@ -19,7 +19,7 @@ from kvtier.check.report import Report
 def redis_tier(report: Report, label: str, config) -> None:
     from redis.exceptions import AuthenticationError, RedisClusterException, RedisError, ResponseError
 
-    from kvtier.tiers.redis import RedisTier
+    from kvtier.tiers.redis.tier import RedisTier
 
     name = f"{label} reach"
     where = f"{config.address}{' (cluster)' if config.cluster else ''} with TLS {'on' if config.tls else 'off'}, " \
@@ -46,7 +46,7 @@ def redis_tier(report: Report, label: str, config) -> None:
 def s3_tier(report: Report, label: str, config) -> None:
     from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
-    from kvtier.tiers.s3 import S3Tier
+    from kvtier.tiers.s3.tier import S3Tier
 
     name = f"{label} reach"
     config = dataclasses.replace(config, create_bucket=False, max_attempts=1)

@@ -1,1 +1,1 @@
-"""Orchestration above the tiers: executors, circuit breakers, the TieredStore."""
+"""Orchestration above the tiers: the ``TieredStore``."""

@@ -25,8 +25,8 @@ from kvtier.buffers import BufferPool, LoadBuffers, copy_into, load_views, slot
 from kvtier import auth
 from kvtier.codec import HEADER_BLOCK, ChunkObject, encode, key_of, seal, seal_problem
 from kvtier.config import StoreConfig, TierSpec
-from kvtier.engine.breaker import CircuitBreaker
-from kvtier.engine.executor import LOAD, PriorityExecutor
+from kvtier.concurrency.breaker import CircuitBreaker
+from kvtier.concurrency.executor import LOAD, PriorityExecutor
 from kvtier.errors import ConfigError
 from kvtier.keys import ChunkKey
 from kvtier.metrics import Metrics

@@ -55,7 +55,7 @@ from typing import ClassVar, Iterator, Protocol, Sequence, runtime_checkable
 
 from kvtier.buffers import BufferPool, LoadBuffers, copy_into, load_views, slot
 from kvtier.codec import ChunkObject
-from kvtier.engine.breaker import CircuitBreaker
+from kvtier.concurrency.breaker import CircuitBreaker
 from kvtier.keys import ChunkKey
 from kvtier.metrics import Metrics, TierMetrics
 

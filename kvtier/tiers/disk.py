@@ -22,18 +22,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.codec import ChunkObject
-from kvtier.config import ConfigError, opt
+from kvtier.configfields import opt
+from kvtier.errors import ConfigError
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import TierStats
-from kvtier.tiers.files import ObjectDir, ObjectEntry, OpenRead
-from kvtier.tiers.filetier import FileTier, FileTierConfig
-from kvtier.tiers.stamps import LoadStamps
+from kvtier.tiers.dir.fileread import OpenRead
+from kvtier.tiers.dir.files import ObjectDir
+from kvtier.tiers.dir.layout import ObjectEntry
+from kvtier.tiers.dir.filetier import FileTier, FileTierConfig
+from kvtier.tiers.dir.stamps import LoadStamps
 
 log = logging.getLogger(__name__)
 
 _REC = struct.Struct("<32s8sd")
 _FLUSH_S = 2.0
-OWNER_LOCK = "disk.lock"  # under kvtier-v1/; `kvtier store` tries it too (tiers/admin.py)
+OWNER_LOCK = "disk.lock"  # under kvtier-v1/; `kvtier store` tries it too (admin/dirstore.py)
 ACCESS_LOG = "access.log"  # under kvtier-v1/; `kvtier store gc --dry-run` reads it too
 
 

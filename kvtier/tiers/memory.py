@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 from kvtier.codec import ChunkObject
-from kvtier.config import ConfigError, opt, size_field
+from kvtier.configfields import opt, size_field
+from kvtier.errors import ConfigError
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import Tier, TierStats
 

@@ -15,7 +15,7 @@ from typing import Iterator, Sequence
 
 from kvtier.buffers import copy_into, slot
 from kvtier.codec import ChunkObject
-from kvtier.engine.executor import LOAD, STORE, PriorityExecutor
+from kvtier.concurrency.executor import LOAD, STORE, PriorityExecutor
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import Tier
 from kvtier.tiers.readstream import ReadStream

@@ -14,7 +14,7 @@ from concurrent.futures import Future, TimeoutError as FutureTimeout
 from typing import Callable, Iterator, Sequence
 
 from kvtier.codec import ChunkObject
-from kvtier.engine.executor import LOAD, PriorityExecutor
+from kvtier.concurrency.executor import LOAD, PriorityExecutor
 from kvtier.keys import ChunkKey
 
 # Reads in flight whatever the window: with one, the device idles while each

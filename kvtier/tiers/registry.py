@@ -36,8 +36,8 @@ _KINDS: dict[str, tuple[str, str, str | None]] = {
     "shm": ("kvtier.tiers.shm", "ShmTier", None),
     "disk": ("kvtier.tiers.disk", "DiskTier", None),
     "shared": ("kvtier.tiers.shared", "SharedTier", None),
-    "redis": ("kvtier.tiers.redis", "RedisTier", "redis"),
-    "s3": ("kvtier.tiers.s3", "S3Tier", "s3"),
+    "redis": ("kvtier.tiers.redis.tier", "RedisTier", "redis"),
+    "s3": ("kvtier.tiers.s3.tier", "S3Tier", "s3"),
 }
 
 # URL location field per built-in kind: what ``kind://LOCATION`` fills in.

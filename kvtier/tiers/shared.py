@@ -25,15 +25,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from kvtier.config import check_watermarks, opt
-from kvtier.engine.executor import MAINTENANCE
+from kvtier.configfields import check_watermarks, opt
+from kvtier.concurrency.executor import MAINTENANCE
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import TierStats
 from kvtier.tiers.collector import Collector, GcResult, Trigger, WatermarkPolicy
-from kvtier.tiers.dirlease import DirLeases
-from kvtier.tiers.files import ObjectEntry, OpenRead
-from kvtier.tiers.filetier import FileTier, FileTierConfig
-from kvtier.tiers.stamps import LoadStamps
+from kvtier.tiers.dir.lease import DirLeases
+from kvtier.tiers.dir.fileread import OpenRead
+from kvtier.tiers.dir.layout import ObjectEntry
+from kvtier.tiers.dir.filetier import FileTier, FileTierConfig
+from kvtier.tiers.dir.stamps import LoadStamps
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ class SharedConfig(FileTierConfig):
     def check_location(self, prefix: str = "") -> None:
         """Raise ConfigError unless the folder exists on this node (a mount
         point that is not mounted is refused, never filled locally)."""
-        from kvtier.tiers.folders import check_shared_root
+        from kvtier.tiers.dir.folders import check_shared_root
 
         check_shared_root(self.path, f"{prefix}path")
 

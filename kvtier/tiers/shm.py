@@ -45,17 +45,18 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 from kvtier.codec import ChunkObject
-from kvtier.config import ConfigError, opt, size_field
+from kvtier.configfields import opt, size_field
+from kvtier.errors import ConfigError
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import TierStats
-from kvtier.tiers.files import OpenRead
-from kvtier.tiers.filetier import FileTier
-from kvtier.tiers.stamps import LoadStamps
+from kvtier.tiers.dir.fileread import OpenRead
+from kvtier.tiers.dir.filetier import FileTier
+from kvtier.tiers.dir.stamps import LoadStamps
 
 log = logging.getLogger(__name__)
 
 _U64 = struct.Struct("<Q")
-NODE_LEDGER = "node.ledger"  # under kvtier-v1/; marks the folder as a node memory tier's (tiers/admin.py)
+NODE_LEDGER = "node.ledger"  # under kvtier-v1/; marks the folder as a node memory tier's (admin/dirstore.py)
 
 
 def default_dir() -> str:

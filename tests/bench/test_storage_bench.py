@@ -18,7 +18,8 @@ import redis
 from kvtier.bench import fio, storage
 from kvtier.bench.burst import Burst, why_not as burst_why_not
 from kvtier.bench.loopalone import LoopAlone, why_not as loop_why_not
-from kvtier.bench.storage import DeviceReads, _cpu_comparison, _window_advice
+from kvtier.bench.storage import DeviceReads
+from kvtier.bench.storage_report import cpu_comparison, window_advice
 from kvtier.bench.storage_common import StorageBenchError
 from kvtier.bench.storage_common import fio_mode
 from tests.tiers.redisserver import REDIS_SERVER, RedisServer, free_port
@@ -104,7 +105,7 @@ def test_bench_storage_cli_writes_table_and_json(tmp_path):
     assert "kvtier cold load, window 8MiB buffered" in proc.stdout
     # What drove each variant's reads: lent buffers through the native loop,
     # the caller's own through the Python driver, buffered on pool threads.
-    from kvtier.tiers import nativestream
+    from kvtier.tiers.dir import nativestream
 
     lent = r["cold"]["8MiB direct-aio-lent"]["loads_by_driver"]
     own = r["cold"]["8MiB direct-aio"]["loads_by_driver"]
@@ -419,12 +420,12 @@ def test_kvtier_cpu_is_held_against_fios_cheapest_job_at_the_devices_speed_not_i
     }
     r = {"fio": fio, "cold": {"w": {"read_mode": "direct-aio-lent", "median_gbps": 2.5, "cpu_s_per_gb": 0.100}},
          "cold_best_window": "w"}
-    got = _cpu_comparison(r)
+    got = cpu_comparison(r)
     assert got["fio_cpu_job"] == "qd8"
     assert got["cpu_vs_fio"] == pytest.approx(0.100 / 0.040)
     # A buffered load is held against the buffered job.
     r["cold"]["w"]["read_mode"] = "buffered"
-    assert _cpu_comparison(r)["fio_cpu_job"] == "buffered-128k"
+    assert cpu_comparison(r)["fio_cpu_job"] == "buffered-128k"
 
 
 def test_kvtier_is_judged_by_its_cheapest_variant_at_its_speed_as_fio_is():
@@ -446,22 +447,22 @@ def test_kvtier_is_judged_by_its_cheapest_variant_at_its_speed_as_fio_is():
                             "cpu_s_per_gb": 0.050},  # 14 % slower
     }
     r = {"fio": fio, "cold": cold, "cold_best_window": "128MiB direct-aio-lent"}
-    got = _cpu_comparison(r)
+    got = cpu_comparison(r)
     assert got["cold_cpu_variant"] == "6MiB direct-aio-lent" and got["cold_cpu_s_per_gb"] == 0.060
     assert got["cold_best_cpu_s_per_gb"] == 0.070
     assert got["fio_cpu_job"] == "qd8" and got["cpu_vs_fio"] == pytest.approx(0.060 / 0.040)
     # The window that variant read with is the one the report suggests.
     assert got["suggested_read_window_bytes"] == 6 * M
-    assert _window_advice({**r, **got}) == (
+    assert window_advice({**r, **got}) == (
         "  read_window_bytes: 6MiB read at about the fastest rate for the least CPU in these loads (the tiers' "
         "default: 128MiB); check it end to end before setting it: kvtier bench resume --configs "
         "kvtier-shared,kvtier-shared-w6")
     # Within 10 %, the cheaper buffered variant is the figure, against fio's buffered job.
     cold["128MiB buffered"]["median_gbps"] = 2.65
-    got = _cpu_comparison(r)
+    got = cpu_comparison(r)
     assert got["cold_cpu_variant"] == "128MiB buffered" and got["fio_cpu_job"] == "buffered-128k"
     assert got["cpu_vs_fio"] == pytest.approx(0.050 / 0.100)
-    assert _window_advice({**r, **got}) == ("  read_window_bytes: the tiers' default, 128MiB, read at about the "
+    assert window_advice({**r, **got}) == ("  read_window_bytes: the tiers' default, 128MiB, read at about the "
                                             "fastest rate for the least CPU in these loads with o_direct: false")
 
 
@@ -471,7 +472,7 @@ def test_the_store_is_held_against_the_loop_alone_at_its_own_window_and_only_whe
     the native loop into lent buffers or the tier's own (another read
     mode, or loads that fell back to another driver) is other machinery:
     no figure."""
-    from kvtier.bench.storage import _store_cost
+    from kvtier.bench.storage_report import store_cost
 
     native = {"native": 8, "aio": 0, "threads": 0}
     r = {"cold": {"6MiB direct-aio-lent": {"read_mode": "direct-aio-lent", "window_bytes": 6 << 20,
@@ -479,27 +480,27 @@ def test_the_store_is_held_against_the_loop_alone_at_its_own_window_and_only_whe
          "cold_cpu_variant": "6MiB direct-aio-lent", "cold_cpu_s_per_gb": 0.050, "fio_cpu_s_per_gb": 0.040,
          "loop_alone": {"6MiB": {"cpu_s_per_gb": 0.038, "window_bytes": 6 << 20},
                         "128MiB": {"cpu_s_per_gb": 0.045, "window_bytes": 128 << 20}}}
-    got = _store_cost(r)
+    got = store_cost(r)
     assert got["loop_alone_cpu_s_per_gb"] == 0.038 and got["loop_alone_cpu_vs_fio"] == pytest.approx(0.95)
     assert got["store_cpu_s_per_gb"] == pytest.approx(0.012) and got["store_cpu_share"] == pytest.approx(0.24)
     r["cold_cpu_s_per_gb"] = 0.036  # under the loop (noise): the store adds nothing, never a negative
-    assert _store_cost(r)["store_cpu_s_per_gb"] == 0.0
+    assert store_cost(r)["store_cpu_s_per_gb"] == 0.0
     r["cold"]["6MiB direct-aio-lent"]["loads_by_driver"] = {"native": 0, "aio": 8, "threads": 0}
-    assert _store_cost(r) == {}
+    assert store_cost(r) == {}
     r["cold"] = {"6MiB direct-aio": {"read_mode": "direct-aio", "window_bytes": 6 << 20, "loads_by_driver": native}}
     r["cold_cpu_variant"] = "6MiB direct-aio"
-    assert _store_cost(r) == {}
+    assert store_cost(r) == {}
     # Through fetch (the engine's path) the loop reads into the tier's own
     # buffers, in place as into lent ones: held against the loop alone too.
     r["cold"] = {"6MiB direct-aio-fetch": {"read_mode": "direct-aio-fetch", "window_bytes": 6 << 20,
                                            "loads_by_driver": native}}
     r["cold_cpu_variant"], r["cold_cpu_s_per_gb"] = "6MiB direct-aio-fetch", 0.050
-    assert _store_cost(r)["store_cpu_s_per_gb"] == pytest.approx(0.012)
+    assert store_cost(r)["store_cpu_s_per_gb"] == pytest.approx(0.012)
     del r["loop_alone"]
     r["cold"] = {"6MiB direct-aio-lent": {"read_mode": "direct-aio-lent", "window_bytes": 6 << 20,
                                           "loads_by_driver": native}}
     r["cold_cpu_variant"] = "6MiB direct-aio-lent"
-    assert _store_cost(r) == {}
+    assert store_cost(r) == {}
 
 
 def test_fios_huge_page_jobs_run_where_the_host_reserved_enough_and_are_held_apart(tmp_path, monkeypatch):
@@ -526,11 +527,11 @@ def test_fios_huge_page_jobs_run_where_the_host_reserved_enough_and_are_held_apa
         "qd8": {"read_mode": "direct", "median_gbps": 2.20, "cpu_s_per_gb": 0.037, "huge_pages": False},
         "qd8-huge": {"read_mode": "direct", "median_gbps": 3.20, "cpu_s_per_gb": 0.0075, "huge_pages": True},
     }, "cold": {"w": {"read_mode": "direct-aio-lent", "median_gbps": 3.0, "cpu_s_per_gb": 0.060}}, "cold_best_window": "w"}
-    got = _cpu_comparison(r)
+    got = cpu_comparison(r)
     assert got["fio_cpu_job"] == "qd8-huge" and got["cpu_vs_fio"] == pytest.approx(0.060 / 0.0075)
     assert got["fio_cpu_job_4k_pages"] == "qd8" and got["cpu_vs_fio_4k_pages"] == pytest.approx(0.060 / 0.037)
     del r["fio"]["qd8-huge"]
-    assert "cpu_vs_fio_4k_pages" not in _cpu_comparison(r)
+    assert "cpu_vs_fio_4k_pages" not in cpu_comparison(r)
 
 
 @needs_fio
@@ -604,7 +605,7 @@ def test_the_loop_alone_reads_and_verifies_every_object_or_fails(tmp_path):
     """The native loop's own cost is only the loop's if every object came
     back read and verified: a damaged or missing object is an error, never
     a cheaper figure; and no file is left open, whatever happened."""
-    from kvtier.tiers import nativestream
+    from kvtier.tiers.dir import nativestream
     from kvtier.tiers.shared import SharedTier
     from tests.support import OBJ, flip_byte, make_chunks, shared_config
 

@@ -13,7 +13,7 @@ import pytest
 from kvtier.config import ConfigError, parse_store_config
 from kvtier.engine.store import Segment, TieredStore
 from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.files import ObjectDir
+from kvtier.tiers.dir.files import ObjectDir
 from kvtier.tiers.shared import SharedTier
 from tests.support import (
     DTYPE,

@@ -41,7 +41,8 @@ def pair(tmp_path):
     from kvtier.integrations.vllm.group import GroupView
     from kvtier.integrations.vllm.metrics import connector_metrics
     from kvtier.integrations.vllm.scheduler import KVTierScheduler
-    from kvtier.integrations.vllm.settings import Settings, Topology
+    from kvtier.integrations.vllm.settings import Settings
+    from kvtier.integrations.vllm.topology import Topology
 
     (tmp_path / "shared").mkdir()  # a shared tier's folder must exist (a mount point)
     specs = [

@@ -13,7 +13,7 @@
   resume once the mount answers again.
 
 The Redis and S3 tiers have the same cases against real servers (SIGSTOP,
-SIGKILL, restart): tests/tiers/test_redis.py and tests/tiers/test_s3.py.
+SIGKILL, restart): tests/tiers/redis/test_redis.py and tests/tiers/s3/test_s3.py.
 """
 
 from __future__ import annotations

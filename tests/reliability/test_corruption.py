@@ -4,8 +4,8 @@ the bad chunk (the rest is recomputed), nothing raises, the failure is
 counted and the object quarantined; a later save stores it whole again.
 
 (The shared tier alone: tests/tiers/test_shared.py; every byte position and
-length: tests/test_codec.py; Redis and S3: tests/tiers/test_redis.py and
-tests/tiers/test_s3.py; inside vLLM: tests/integrations/vllm/test_e2e.py.)
+length: tests/test_codec.py; Redis and S3: tests/tiers/redis/test_redis.py and
+tests/tiers/s3/test_s3.py; inside vLLM: tests/integrations/vllm/test_e2e.py.)
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from kvtier.metrics import Metrics
 from kvtier.tiers import disk as disk_mod
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.shared import SharedTier
-from kvtier.tiers.admin import verify_objects
+from kvtier.admin.dirstore import verify_objects
 from tests.support import DTYPE, OBJ, disk_config, keys_for, memory_config, objs_for, payload_for, shape_for, shared_config
 
 FS_SIZE = "256k"

@@ -23,7 +23,7 @@ from kvtier.codec import HEADER_BLOCK, encode, parse_header
 from kvtier.config import StoreConfig, TierSpec
 from kvtier.engine.store import TieredStore
 from kvtier.metrics import Metrics
-from kvtier.tiers.redis import RedisConfig
+from kvtier.tiers.redis.config import RedisConfig
 from kvtier.tiers.shm import ShmConfig
 from tests.support import DTYPE, disk_config, keys_for, payload_for, rechecksum, shape_for, shared_config
 from tests.tiers.redisserver import RedisServer

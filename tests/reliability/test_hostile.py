@@ -32,9 +32,9 @@ from kvtier.codec import HEADER_BLOCK, HEADER_STRUCT_SIZE, parse_header
 from kvtier.errors import ConfigError, CorruptObject
 from kvtier.keys import ChunkKey, Namespace, chunk_keys
 from kvtier.metrics import Metrics
-from kvtier.tiers import beneath
+from kvtier.tiers.dir import beneath
 from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.files import ObjectDir
+from kvtier.tiers.dir.files import ObjectDir
 from kvtier.tiers.shared import SharedTier
 from tests.support import NS, OBJ, disk_config, make_chunks, obj_for, objs_for, payload_for, shared_config, tokens_for
 

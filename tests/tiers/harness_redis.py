@@ -5,7 +5,9 @@ its own PID).
 
 from __future__ import annotations
 
-from kvtier.tiers.redis import RedisConfig, RedisTier
+from kvtier.tiers.redis.config import RedisConfig
+
+from kvtier.tiers.redis.tier import RedisTier
 from tests.tiers.harness import Harness
 from tests.tiers.redisserver import RedisServer
 

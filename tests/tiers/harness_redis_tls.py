@@ -6,7 +6,7 @@ certificate and its key; the server's certificate names 127.0.0.1, checked."""
 from __future__ import annotations
 
 from kvtier.config import parse_tier
-from kvtier.tiers.redis import RedisTier
+from kvtier.tiers.redis.tier import RedisTier
 from tests.tiers.harness import Harness
 from tests.tiers.redisserver import RedisServer
 from tests.tiers.tlscerts import make_pki

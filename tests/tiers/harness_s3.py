@@ -12,7 +12,7 @@ from __future__ import annotations
 import secrets
 import time
 
-from kvtier.tiers.s3 import S3Tier
+from kvtier.tiers.s3.tier import S3Tier
 from tests.tiers.harness import Harness
 from tests.tiers.s3server import s3_config, shared_server
 

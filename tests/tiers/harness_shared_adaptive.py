@@ -6,7 +6,7 @@ switches."""
 
 from __future__ import annotations
 
-from kvtier.tiers.readpath import ReadPathChooser
+from kvtier.tiers.dir.readpath import ReadPathChooser
 from kvtier.tiers.shared import SharedTier
 from tests.support import shared_config
 from tests.tiers.harness import SharedHarness

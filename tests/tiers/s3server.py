@@ -28,7 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-from kvtier.tiers.s3 import S3Config
+from kvtier.tiers.s3.config import S3Config
 
 HOST = "127.0.0.1"
 ACCESS_KEY = "kvtier-test"

@@ -10,9 +10,10 @@ import time
 import pytest
 
 from kvtier.config import ConfigError
-from kvtier.engine.breaker import CircuitBreaker
+from kvtier.concurrency.breaker import CircuitBreaker
 from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.files import HOST, ObjectDir
+from kvtier.tiers.dir.files import ObjectDir
+from kvtier.tiers.dir.layout import HOST
 from tests.support import OBJ, assert_object, disk_config, make_chunks, payload_for
 
 

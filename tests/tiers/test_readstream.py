@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from kvtier.engine.executor import PriorityExecutor
+from kvtier.concurrency.executor import PriorityExecutor
 from kvtier.tiers.readstream import MIN_INFLIGHT, ReadStream
 from tests.support import OBJ, make_chunks
 

@@ -20,7 +20,9 @@ import pytest
 from kvtier.buffers import alloc
 from kvtier.codec import HEADER_BLOCK, ChunkObject, encode
 from kvtier.metrics import Metrics
-from kvtier.tiers.files import HOST, ObjectDir, PendingWrite, _direct_writable
+from kvtier.tiers.dir.files import ObjectDir
+from kvtier.tiers.dir.filewrite import PendingWrite, _direct_writable
+from kvtier.tiers.dir.layout import HOST
 from kvtier.tiers.shared import SharedTier
 from tests.support import DTYPE, OBJ, assert_object, keys_for, make_chunks, shared_config
 from tests.tiers import shared_worker
@@ -380,7 +382,7 @@ def test_a_collection_waits_for_owed_stamps_unless_it_runs_on_the_only_io_thread
     any other thread waits for them, also where the tier has one I/O
     thread (which makes them). Only a pass on that thread itself (the
     background collector) cannot wait: the stamps are queued behind it."""
-    from kvtier.engine.executor import MAINTENANCE
+    from kvtier.concurrency.executor import MAINTENANCE
 
     tier = open_shared(io_threads=1)
     tier._owed.add()

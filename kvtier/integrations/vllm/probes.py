@@ -23,7 +23,7 @@ import time
 from concurrent.futures import Future
 
 from kvtier.config import StoreConfig
-from kvtier.engine.executor import LOAD, PriorityExecutor
+from kvtier.concurrency.executor import LOAD, PriorityExecutor
 from kvtier.integrations.vllm.costs import LoadCosts
 from kvtier.integrations.vllm.group import GroupView
 from kvtier.integrations.vllm.metrics import ConnectorMetrics

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from kvtier.codec import ChunkObject, build, encode
-from kvtier.engine.executor import STORE, PriorityExecutor
+from kvtier.concurrency.executor import STORE, PriorityExecutor
 from kvtier.engine.store import TieredStore
 from kvtier.integrations.vllm.layout import PageLayout
 from kvtier.integrations.vllm.metadata import SaveJob

@@ -29,7 +29,7 @@ import logging
 import time
 from concurrent.futures import Future, TimeoutError as FutureTimeout
 
-from kvtier.engine.executor import LOAD, PriorityExecutor
+from kvtier.concurrency.executor import LOAD, PriorityExecutor
 from kvtier.integrations.vllm.chain import KeyChains
 from kvtier.integrations.vllm.claims import Claims
 from kvtier.integrations.vllm.costs import LoadCosts

@@ -24,9 +24,7 @@ from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.iocpus import parse_io_cpus
 from kvtier.integrations.vllm.namespace import engine_namespace, kv_dtype, resolved_layout
 from kvtier.integrations.vllm.topology import Topology, engine_topology, node_memory
-# kvtier.check reads the supported releases from here.
-from kvtier.integrations.vllm.versions import NEWEST_VLLM, OLDEST_VLLM, check_vllm_version  # noqa: F401
-from kvtier.integrations.vllm.versions import release as _release  # noqa: F401
+from kvtier.integrations.vllm.versions import check_vllm_version
 from kvtier.keys import Namespace
 
 

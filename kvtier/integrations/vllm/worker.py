@@ -34,7 +34,7 @@ import time
 
 import torch
 
-from kvtier.engine.executor import LOAD, PriorityExecutor, place_io_threads
+from kvtier.concurrency.executor import LOAD, PriorityExecutor, place_io_threads
 from kvtier.engine.store import TieredStore
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.flight import Flight, Flights

@@ -39,7 +39,7 @@ import pytest
 from kvtier.bench.tinymodels import PRESETS
 from kvtier.codec import HEADER_BLOCK, HEADER_STRUCT_SIZE, parse_header
 from kvtier.keys import next_key, root_key
-from kvtier.tiers.files import ObjectDir
+from kvtier.tiers.dir.files import ObjectDir
 from tests.integrations.vllm.runs import Ctx, RunDef, Runs, runs_marker, start_runs
 
 if TYPE_CHECKING:

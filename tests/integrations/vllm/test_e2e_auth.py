@@ -27,7 +27,7 @@ import pytest
 from kvtier import auth
 from kvtier.codec import HEADER_BLOCK, encode, parse_header
 from kvtier.keys import ChunkKey
-from kvtier.tiers.files import ObjectDir
+from kvtier.tiers.dir.files import ObjectDir
 from tests.integrations.vllm.runs import Ctx, RunDef, runs_marker, start_runs
 from tests.support import rechecksum
 from tests.integrations.vllm.test_e2e import P, assert_same_output, phase_name

@@ -36,7 +36,7 @@ import pytest
 
 from kvtier.codec import HEADER_BLOCK
 from kvtier.keys import next_key, root_key, shard_key
-from kvtier.tiers.files import ObjectDir
+from kvtier.tiers.dir.files import ObjectDir
 from tests.integrations.vllm.runs import Ctx, RunDef, runs_marker, start_runs
 from tests.integrations.vllm.test_e2e import (
     CHUNK, MAX_TOKENS, P, TOP_LOGPROBS, assert_same_output, external_hits_by_tier, phase_name,

@@ -20,7 +20,7 @@ from kvtier.integrations.vllm.settings import Settings
 from kvtier.integrations.vllm.topology import Topology
 from kvtier.integrations.vllm.worker import KVTierWorker
 from kvtier.keys import shard_key
-from kvtier.tiers.files import ObjectDir
+from kvtier.tiers.dir.files import ObjectDir
 from tests.support import NS, hold_reads, keys_for
 
 BS = NS.chunk_tokens  # one engine block per chunk
