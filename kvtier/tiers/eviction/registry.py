@@ -13,10 +13,11 @@ import importlib
 
 from kvtier.errors import ConfigError
 from kvtier.tiers.eviction.base import EvictionPolicy
+from kvtier.tiers.eviction.lfu import LFUPolicy
 from kvtier.tiers.eviction.lru import LRUPolicy
 from kvtier.tiers.eviction.watermark import WatermarkPolicy
 
-BUILTIN: dict[str, type[EvictionPolicy]] = {p.name: p for p in (LRUPolicy, WatermarkPolicy)}
+BUILTIN: dict[str, type[EvictionPolicy]] = {p.name: p for p in (LRUPolicy, WatermarkPolicy, LFUPolicy)}
 
 
 def policy_class(name: str, key: str = "eviction") -> type[EvictionPolicy]:

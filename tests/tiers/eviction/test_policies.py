@@ -8,6 +8,7 @@ import random
 import pytest
 
 from kvtier.tiers.eviction import rank
+from kvtier.tiers.eviction.lfu import LFUPolicy
 from kvtier.tiers.eviction.lru import LRUPolicy
 from kvtier.tiers.eviction.watermark import WatermarkPolicy
 from tests.tiers.eviction.policy_contract import PolicyContract
@@ -26,6 +27,11 @@ class TestWatermarkAsTheCollectorRunsIt(PolicyContract):
 class TestWatermarkAsShmRunsIt(PolicyContract):
     def make(self, capacity):
         return WatermarkPolicy(capacity, 1.0, 0.9)
+
+
+class TestLFU(PolicyContract):
+    def make(self, capacity):
+        return LFUPolicy(capacity)
 
 
 # ---------------------------------------------------------------- lru
@@ -104,3 +110,38 @@ def test_watermark_ranked_from_stamps_picks_what_each_rule_picks(seed):
     used, need = sum(map(size, entries)) + rng.randrange(0, 300), rng.randrange(0, 400)
     p = rank(WatermarkPolicy(capacity, 1.0, low), entries, size, stamp)
     assert p.victims(p.to_free(used, need)) == _shm_rule(entries, used, need, low, capacity)
+
+
+# ---------------------------------------------------------------- lfu
+
+
+def test_lfu_goes_least_frequently_used_first_and_among_equals_least_recently_used():
+    p = LFUPolicy(100)
+    for k in "abcd":
+        p.insert(k, 10)  # one use each
+    p.touch("a")
+    p.touch("a")  # a: 3 uses
+    p.touch("c")  # c: 2
+    p.insert("b", 10)  # a held key stored again: b: 2, used after c
+    assert list(p) == ["d", "c", "b", "a"]
+    p.insert("e", 10)  # new: one use, the most recent of those
+    assert list(p) == ["d", "e", "c", "b", "a"]
+    assert p.victims(25) == ["d", "e", "c"]
+
+
+def test_lfu_forgets_a_removed_keys_uses():
+    p = LFUPolicy(100)
+    p.insert("a", 10)
+    for _ in range(5):
+        p.touch("a")
+    p.insert("b", 10)
+    p.remove("a")
+    p.insert("a", 10)  # back with one use, after b
+    assert list(p) == ["b", "a"]
+
+
+def test_lfu_frees_just_enough_and_cannot_be_rebuilt_from_stamps():
+    p = LFUPolicy(100)
+    assert p.to_free(90, 25) == 15
+    with pytest.raises(TypeError):
+        rank(p, [("a", 1, 0.0)], lambda e: e[1], lambda e: e[2])

@@ -10,6 +10,7 @@ import pytest
 from kvtier.errors import ConfigError
 from kvtier.tiers.eviction import BUILTIN, check, make, policy_class
 from kvtier.tiers.eviction.base import EvictionPolicy
+from kvtier.tiers.eviction.lfu import LFUPolicy
 from kvtier.tiers.eviction.lru import LRUPolicy
 from kvtier.tiers.eviction.watermark import WatermarkPolicy
 
@@ -29,6 +30,7 @@ class _Stamped(_Watermarks):
 
 def test_built_in_names_resolve_and_make_empty_policies_under_a_config():
     assert policy_class("lru") is LRUPolicy and policy_class("watermark") is WatermarkPolicy
+    assert policy_class("lfu") is LFUPolicy
     p = make("lru", _Config())
     assert (type(p), p.capacity, len(p)) == (LRUPolicy, 1000, 0)
     w = make("watermark", _Watermarks())
@@ -57,13 +59,14 @@ def test_a_policy_that_needs_watermarks_is_refused_where_the_config_has_none():
     with pytest.raises(ConfigError) as e:
         check("watermark", _Config(), "eviction")
     assert "low_watermark" in e.value.problem
-    assert "lru" in e.value.fix and "watermark" not in e.value.fix
+    assert e.value.fix == "use one of: lru, lfu"
     check("watermark", _Watermarks(), "eviction")  # the config has them: fine
     check("watermark", _Watermarks, "eviction")  # a config class answers alike (the planner checks so)
 
 
 _PLUGIN = '''
 from kvtier.tiers.eviction.base import EvictionPolicy
+from kvtier.tiers.eviction.lfu import LFUPolicy
 
 
 class NewestFirst(EvictionPolicy):
@@ -98,6 +101,9 @@ def test_a_policy_class_by_import_path_runs_as_a_built_in_does(plugin):
 def test_a_shared_tier_refuses_a_policy_a_scan_of_stamps_cannot_rebuild(plugin):
     check("lru", _Stamped(), "eviction")
     check("watermark", _Stamped(), "eviction")
+    with pytest.raises(ConfigError) as e:
+        check("lfu", _Stamped(), "eviction")
+    assert "recency stamp" in e.value.problem and e.value.fix == "use one of: lru, watermark"
     with pytest.raises(ConfigError) as e:
         check(f"{plugin}:NewestFirst", _Stamped(), "tiers[1].eviction")
     assert e.value.key == "tiers[1].eviction"
