@@ -55,6 +55,7 @@ from kvtier.progress import Progress, silent
 from kvtier.tiers.disk import OWNER_LOCK
 from kvtier.tiers.dir.files import ObjectDir
 from kvtier.tiers.dir.layout import ObjectEntry
+from kvtier.tiers.eviction import make
 from kvtier.tiers.shm import NODE_LEDGER
 
 # A file under kvtier-v1/ and the kind of tier that keeps it; none: shared.
@@ -162,22 +163,21 @@ class AdminStore:
 
     def _disk_plan(self, cfg):
         """What the disk tier's eviction under ``cfg`` would delete, read
-        from its folder and access log without changing either."""
+        from its folder and access log without changing either: the
+        objects in the log's order, least recently used first, through
+        ``cfg``'s eviction policy (watermarks)."""
         from kvtier.tiers.collector import GcResult
         from kvtier.tiers.disk import by_recency
 
         t0 = time.monotonic()
         order, _ = by_recency(self.dir)
-        entries = [e for _, e, _ in order]
-        used = before = sum(e.size for e in entries)
-        target = _disk_target(cfg, before)
-        victims = []
-        for e in entries:
-            if used <= target:
-                break
-            victims.append(e)
-            used -= e.size
-        return GcResult(True, len(entries), before, len(victims), used, seconds=time.monotonic() - t0,
+        policy = make(cfg.eviction, cfg)
+        for _, e, _ in order:
+            policy.insert(e, e.size)
+        before = policy.used
+        victims = policy.victims(policy.to_free(before))
+        used = before - sum(e.size for e in victims)
+        return GcResult(True, len(order), before, len(victims), used, seconds=time.monotonic() - t0,
                         victims=tuple(victims))
 
     def _disk_gc(self, cfg):
@@ -202,9 +202,11 @@ class AdminStore:
 
 
 def _disk_target(cfg, used: int) -> int:
-    """Bytes the disk tier's eviction leaves of ``used`` under ``cfg``'s
-    capacity and watermarks (``WatermarkPolicy``, as the shared tier's)."""
-    return int(cfg.low_watermark * cfg.capacity) if used > cfg.high_watermark * cfg.capacity else cfg.capacity
+    """Bytes a pass under ``cfg``'s eviction policy (watermarks, as the
+    shared tier's) leaves of ``used``: the capacity the disk tier is opened
+    with, so that its own start-up eviction (LRU, just enough) goes as far."""
+    free = make(cfg.eviction, cfg).to_free(used)
+    return used - free if free else cfg.capacity
 
 
 # A pass that would delete more than this share of a tier's objects or bytes

@@ -12,9 +12,10 @@ from kvtier.errors import ConfigError
 
 DESCRIPTION = """\
 Capacity planning from request traces: replays a trace through a model of the
-engine's prefix cache and of kvtier's tiers (kvtier's own eviction policies:
-memory and disk LRU, promotion into memory on a lower-tier hit, write-through
-of new chunks to every tier, the shared tier's watermark collector) and
+engine's prefix cache and of kvtier's tiers (kvtier's own eviction policies,
+as a tier's `eviction` key names them: memory and disk LRU and the shared
+tier's watermark collector unless --*-eviction says otherwise; promotion
+into memory on a lower-tier hit, write-through of new chunks to every tier) and
 predicts, per tier, the hit ratio, the read and write bandwidth, time to
 first token (p50/p90/p99) and prefill throughput against recompute, hit ratio
 against capacity curves with their knee, and recommended capacities.
@@ -104,6 +105,9 @@ def register(subparsers) -> None:
         g.add_argument(f"--{t}-gbps", type=float, help=f"{t} tier read bandwidth per instance, GB/s (default {bw})")
         g.add_argument(f"--{t}-latency-ms", type=float, help=f"{t} tier latency per load, ms (default {lat}; "
                        "disk and shared include the connector's asynchronous load steps)")
+    for t, default in (("memory", "lru"), ("disk", "lru"), ("shared", "watermark")):
+        g.add_argument(f"--{t}-eviction", metavar="POLICY", help=f"{t} tier eviction policy, as its config's "
+                       f"`eviction` key names it (default {default}; lru, lfu, watermark where the tier has it)")
     g.add_argument("--high-watermark", type=float, default=0.95, help="shared tier collector start (default 0.95)")
     g.add_argument("--low-watermark", type=float, default=0.85, help="shared tier collector target (default 0.85)")
     g.add_argument("--touch-interval-s", type=float, default=60.0, help="shared tier access stamp interval (default 60)")
@@ -155,14 +159,19 @@ def build_config(args, trace_units: int):
     from kvtier.plan import cost
     from kvtier.plan.flags import time_model
     from kvtier.plan.sim import PlanConfig, TierPlan
+    from kvtier.tiers.eviction import check
+    from kvtier.tiers.registry import config_class
 
     model, prefill, io = time_model(args)
     tiers = []
     for t in ("memory", "disk", "shared"):
         cap = getattr(args, t)
+        eviction = getattr(args, f"{t}_eviction", None) or ""
+        if eviction:  # refused as the tier's config refuses it
+            check(eviction, config_class(t), f"--{t}-eviction")
         if cap:
             tiers.append(TierPlan(t, cap, io[t], args.high_watermark, args.low_watermark, args.touch_interval_s,
-                                  args.gc_interval_s))
+                                  args.gc_interval_s, eviction))
     bpt = model.bytes_per_token
     engine_blocks = None
     if args.engine_tokens:

@@ -1,24 +1,27 @@
-"""kvtier's eviction policies as plain data structures: no I/O, no threads.
+"""kvtier's tiers as plain data structures over the tiers' own eviction
+policies (``kvtier.tiers.eviction``, by the name a tier's config gives):
+no I/O, no threads.
 
 Each model mirrors one real tier's bookkeeping, operation for operation
 (``tests/plan/test_models_vs_tiers.py`` replays one access sequence through
 both and compares what each holds):
 
-    LRUModel     MemoryTier and DiskTier: byte capacity, least recently used
-                 first out. A store of a held key only refreshes it; a new
-                 key evicts from the cold end until it fits; an object larger
-                 than the whole tier is refused. Reads refresh.
+    LRUModel     MemoryTier and DiskTier: byte capacity, the tier's policy
+                 (LRU unless given another). A store of a held key only
+                 refreshes it; a new key evicts the policy's victims until
+                 it fits; an object larger than the whole tier is refused.
+                 Reads refresh.
                  (MemoryTier never evicts an entry pinned by a reader; the
                  simulator serves one request at a time, so nothing is
                  pinned when a store runs.)
     SharedModel  SharedTier: objects carry an access stamp (mtime), set on
                  write, on a re-store of a held key, and on a read at most
-                 once per ``touch_interval_s``. Collection follows the tiers'
-                 own policy object (``tiers/collector.WatermarkPolicy``): a
-                 pass deletes the oldest stamps once usage exceeds the high
-                 watermark until it is at most the low one; passes run when
-                 the policy says one is due (first write, every interval,
-                 sooner while over the high watermark).
+                 once per ``touch_interval_s``. Collection runs the tier's
+                 policy (``watermark`` unless given another: a pass deletes
+                 the oldest stamps once usage exceeds the high watermark
+                 until it is at most the low one) when the collector's
+                 ``due`` says a pass is (first write, every interval, sooner
+                 while over).
     EngineModel  vLLM's prefix cache: blocks of a finished request go to the
                  free queue (tail blocks first, so they are evicted first);
                  a new request's blocks are taken from the cold end.
@@ -32,27 +35,34 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
-from kvtier.tiers.collector import WatermarkPolicy
+from kvtier.tiers.collector import due
+from kvtier.tiers.eviction import EvictionPolicy
+from kvtier.tiers.eviction.lru import LRUPolicy
+from kvtier.tiers.eviction.watermark import WatermarkPolicy
 
 
 class LRUModel:
-    __slots__ = ("capacity", "entries", "evictions", "on_event", "used")
+    __slots__ = ("capacity", "entries", "evictions", "on_event")
 
-    def __init__(self, capacity: int, on_event: Callable[[int, int], None] | None = None):
+    def __init__(self, capacity: int, on_event: Callable[[int, int], None] | None = None,
+                 policy: EvictionPolicy | None = None):
         self.capacity = capacity
-        self.used = 0
-        self.entries: OrderedDict[int, int] = OrderedDict()  # key -> bytes, coldest first
+        # key -> bytes under the tier's policy (LRU by default), walked first to go first
+        self.entries = policy if policy is not None else LRUPolicy(capacity)
         self.evictions = 0
         self.on_event = on_event  # (key, size) on every refresh/insert: the stack-distance stream
+
+    @property
+    def used(self) -> int:
+        return self.entries.used
 
     def __contains__(self, key: int) -> bool:
         return key in self.entries
 
     def touch(self, key: int) -> bool:
-        if key in self.entries:
-            self.entries.move_to_end(key)
+        if self.entries.touch(key):
             if self.on_event is not None:
-                self.on_event(key, self.entries[key])
+                self.on_event(key, self.entries.size(key))
             return True
         return False
 
@@ -62,12 +72,11 @@ class LRUModel:
         if size > self.capacity:
             return False
         entries = self.entries
-        while entries and self.used + size > self.capacity:
-            _, s = entries.popitem(last=False)
-            self.used -= s
-            self.evictions += 1
-        entries[key] = size
-        self.used += size
+        victims = entries.victims(entries.to_free(entries.used, size))
+        for v in victims:
+            entries.remove(v)
+        self.evictions += len(victims)
+        entries.insert(key, size)
         if self.on_event is not None:
             self.on_event(key, size)
         return True
@@ -76,44 +85,47 @@ class LRUModel:
 class SharedModel:
     """A shared tier seen by the instances of one simulation (one clock).
 
-    Stamps are kept in an OrderedDict in stamping order: with a clock that
-    never goes back that is the order of the files' mtimes, ties broken the
-    way the file system breaks them (the later write is newer), so the
-    collector pops from the front instead of sorting."""
+    The tier's collector ranks a scan by the files' stamps (``eviction.rank``);
+    the model keeps its policy instead and stamps it as the tier stamps its
+    files (the policy's value is the stamp): with a clock that never goes
+    back, stamping order is the order of the files' mtimes, ties broken the
+    way the file system breaks them (the later write is newer), so a pass
+    needs no sort. ``policy`` (one that ranks by recency; ``watermark`` by
+    default) is the tier's."""
 
     __slots__ = (
         "capacity",
         "evictions",
+        "gc_interval_s",
         "gc_passes",
         "last_gc",
         "on_event",
-        "policy",
-        "sizes",
         "stamps",
         "touch_interval_s",
-        "used",
     )
 
     def __init__(self, capacity: int, high_watermark: float = 0.95, low_watermark: float = 0.85,
                  touch_interval_s: float = 60.0, gc_interval_s: float = 60.0,
-                 on_event: Callable[[int, int], None] | None = None):
+                 on_event: Callable[[int, int], None] | None = None, policy: EvictionPolicy | None = None):
         self.capacity = capacity
-        self.policy = WatermarkPolicy(capacity, high_watermark, low_watermark, gc_interval_s)
+        # key -> bytes, with its stamp as the value, oldest stamp first
+        self.stamps = policy if policy is not None else WatermarkPolicy(capacity, high_watermark, low_watermark)
         self.touch_interval_s = touch_interval_s
-        self.used = 0
-        self.stamps: OrderedDict[int, float] = OrderedDict()  # oldest stamp first
-        self.sizes: dict[int, int] = {}
+        self.gc_interval_s = gc_interval_s
         self.last_gc: float | None = None
         self.evictions = 0
         self.gc_passes = 0
         self.on_event = on_event  # (key, size) on every store, (key, -1) on every read hit
 
+    @property
+    def used(self) -> int:
+        return self.stamps.used
+
     def __contains__(self, key: int) -> bool:
         return key in self.stamps
 
     def _stamp(self, key: int, now: float) -> None:
-        self.stamps[key] = now
-        self.stamps.move_to_end(key)
+        self.stamps.insert(key, self.stamps.size(key), now)
 
     def read(self, key: int, now: float) -> bool:
         """A hit read: stamps the object if its stamp is old enough."""
@@ -132,15 +144,13 @@ class SharedModel:
         if key in self.stamps:  # check before write: only the stamp changes
             self._stamp(key, now)
             return True
-        self.stamps[key] = now
-        self.sizes[key] = size
-        self.used += size
+        self.stamps.insert(key, size, now)
         self._maybe_gc(now)
         return True
 
     def _maybe_gc(self, now: float) -> None:
         since = now - self.last_gc if self.last_gc is not None else float("inf")
-        if self.policy.due(self.used, since):
+        if due(self.stamps, self.gc_interval_s, self.used, since):
             self.gc(now)
 
     def gc(self, now: float | None = None) -> int:
@@ -148,16 +158,12 @@ class SharedModel:
         self.gc_passes += 1
         if now is not None:
             self.last_gc = now
-        if not self.policy.over(self.used):
-            return 0
-        target = self.policy.target
-        n = 0
-        while self.stamps and self.used > target:
-            key, _ = self.stamps.popitem(last=False)
-            self.used -= self.sizes.pop(key)
-            n += 1
-        self.evictions += n
-        return n
+        stamps = self.stamps
+        victims = stamps.victims(stamps.to_free(stamps.used))
+        for key in victims:
+            stamps.remove(key)
+        self.evictions += len(victims)
+        return len(victims)
 
 
 class EngineModel:

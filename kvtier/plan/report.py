@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from kvtier.config import fmt_bytes
 from kvtier.plan.sim import Simulator
-from kvtier.plan.stack import lru_curve, shared_curve
+from kvtier.plan.stack import lru_curve, policy_curve, shared_curve
 
 GiB = 1 << 30
 KNEE, RECOMMEND = 0.90, 0.95
@@ -70,17 +71,27 @@ def curves(sim: Simulator) -> dict:
     out: dict = {}
     tiers = [("engine", cfg.engine_blocks * cfg.block_tokens * sim.bpt if cfg.engine_blocks else 0)]
     tiers += [(t.kind, t.capacity) for t in cfg.tiers]
+    plans = {t.kind: t for t in cfg.tiers}
     for kind, cap in tiers:
         streams = [s for (k, _), s in rec.streams.items() if k == kind]
         if not streams or not cap:
             continue
+        t = plans.get(kind)
+
+        def policy_at(c: int, t=t):  # the tier's own policy at capacity c
+            return replace(t, capacity=c).policy()
+
         if kind == "shared":
-            t = next(t for t in cfg.tiers if t.kind == "shared")
             args = {"high_watermark": t.high_watermark, "low_watermark": t.low_watermark,
                     "touch_interval_s": t.touch_interval_s, "gc_interval_s": t.gc_interval_s}
             used = sum(v for s in streams for v in s.vals if v >= 0)  # upper bound of what it could hold
             grid = _grid(cap, used / rec.rate, points=12)
-            ys = shared_curve(streams, grid, rec.rate, total, args)
+            ys = shared_curve(streams, grid, rec.rate, total, args, policy_at)
+            best = ys[-1]
+        elif t is not None and t.policy_name != "lru":  # not a stack policy: replayed at each capacity
+            held = max(sum({k: v for k, v in zip(s.keys, s.vals) if v >= 0}.values()) for s in streams)
+            grid = _grid(cap, held / rec.rate, points=12)  # held: all an instance ever held at once, at most
+            ys = policy_curve(streams, grid, rec.rate, total, policy_at)
             best = ys[-1]
         else:
             finite = []
@@ -139,8 +150,8 @@ def summarise(sim: Simulator, trace_meta: dict, with_curves: bool = True) -> dic
             "block_tokens": cfg.block_tokens, "engine_blocks": cfg.engine_blocks,
             "engine_kv_bytes": (cfg.engine_blocks or 0) * cfg.block_tokens * sim.bpt,
             "instances": n, "routing": cfg.routing, "promote": cfg.promote,
-            "tiers": [{"kind": t.kind, "capacity_bytes": t.capacity, "gbps": t.io.gbps, "latency_s": t.io.latency_s}
-                      for t in cfg.tiers],
+            "tiers": [{"kind": t.kind, "capacity_bytes": t.capacity, "gbps": t.io.gbps, "latency_s": t.io.latency_s,
+                       "eviction": t.policy_name} for t in cfg.tiers],
             "prefill": {"a": cfg.prefill.a, "b": cfg.prefill.b, "c": cfg.prefill.c, "source": cfg.prefill.source},
             "copy_gbps": cfg.copy_gbps, "curve_sample": cfg.curve_sample,
         },
@@ -290,8 +301,9 @@ def markdown(s: dict, plots: list[str]) -> str:
         "## How these figures were made",
         "",
         ("- Every request of the trace was replayed through a model of the engine's prefix cache and of kvtier's "
-        "tiers with kvtier's own policies: memory and disk LRU by bytes, promotion into memory of what a lower tier "
-        "serves, write-through of every new chunk to every tier, the shared tier's watermark collector "
+        "tiers with kvtier's own policies: each tier's eviction policy by bytes ("
+        + ", ".join(f"{t['kind']} {t.get('eviction', '')}" for t in cfg["tiers"]) + "), promotion into memory of "
+        "what a lower tier serves, write-through of every new chunk to every tier, the shared tier's collector "
         "(`kvtier/plan/`). The models are checked against the real tiers by `tests/plan/`."),
         f"- Prefill cost `a*n + b*n^2 + c` with a={pf['a']:.3g} s/token, b={pf['b']:.3g} s/token^2, c={pf['c']:.3g} s "
         f"({pf['source']}); a hit computes only the uncached tokens against the cached context. Loads: per tier "
@@ -301,7 +313,7 @@ def markdown(s: dict, plots: list[str]) -> str:
         "prefill-bound capacity: requests per second of busy engine time."),
         "- Curves: share of prompt tokens whose chunk a tier would hold at lookup with a given capacity (per instance "
         "for memory and disk), the rest of the stack as configured; LRU tiers by stack distances in one pass, the "
-        "shared tier by replaying its access stream at each capacity"
+        "shared tier and tiers under other policies by replaying their access stream at each capacity"
         + (f"; keys sampled at rate {cfg['curve_sample']:g} (SHARDS)" if cfg["curve_sample"] < 1 else "") + ".",
         ("- Knee: smallest capacity reaching 90% of the tier's best hit ratio; recommendation: 95%, rounded up to a "
         "power of two. Bandwidth: bytes read per second of trace time, p99 over the seconds with reads, for the "

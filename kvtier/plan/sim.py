@@ -44,6 +44,8 @@ from kvtier.plan.models import EngineModel, LRUModel, SharedModel
 from kvtier.plan.stack import StreamRecorder
 from kvtier.plan.storemodel import StoreModel
 from kvtier.plan.traces import Request
+from kvtier.tiers.eviction import EvictionPolicy, make
+from kvtier.tiers.registry import config_class
 
 KINDS = ("memory", "disk", "shared")
 # Tags of ids the simulator makes up: ints, so that runs are reproducible
@@ -61,10 +63,26 @@ class TierPlan:
     low_watermark: float = 0.85
     touch_interval_s: float = 60.0
     gc_interval_s: float = 60.0
+    eviction: str = ""        # the tier's eviction policy by name; "": its kind's default (the tier config's)
 
     @property
     def name(self) -> str:
         return self.kind
+
+    @property
+    def policy_name(self) -> str:
+        return self.eviction or default_eviction(self.kind)
+
+    def policy(self) -> EvictionPolicy:
+        """A new, empty eviction policy of this tier, as the tier makes it
+        from its config (capacity, watermarks)."""
+        return make(self.policy_name, self)
+
+
+def default_eviction(kind: str) -> str:
+    """The eviction policy a tier of ``kind`` runs unless configured: its
+    config's default."""
+    return config_class(kind).eviction
 
 
 @dataclass(frozen=True)
@@ -148,7 +166,7 @@ class Simulator:
         for t in cfg.tiers:
             if t.kind == "shared":
                 self.shared = SharedModel(t.capacity, t.high_watermark, t.low_watermark, t.touch_interval_s,
-                                          t.gc_interval_s, on_event=self._hook("shared", 0))
+                                          t.gc_interval_s, on_event=self._hook("shared", 0), policy=t.policy())
         self.instances: list[_Instance] = []
         for i in range(cfg.instances):
             engine = EngineModel(cfg.engine_blocks, self._hook("engine", i)) if cfg.engine_blocks else None
@@ -157,7 +175,7 @@ class Simulator:
                 if t.kind == "shared":
                     tiers.append(("shared", self.shared))
                 else:
-                    tiers.append((t.kind, LRUModel(t.capacity, self._hook(t.kind, i))))
+                    tiers.append((t.kind, LRUModel(t.capacity, self._hook(t.kind, i), t.policy())))
             self.instances.append(_Instance(i, engine, StoreModel(tiers, self.bpt, self._clock, cfg.promote)))
         self.totals = Totals(tier_tokens={t.kind: 0 for t in cfg.tiers}, read_bytes={t.kind: 0 for t in cfg.tiers},
                              read_by_second={t.kind: {} for t in cfg.tiers})

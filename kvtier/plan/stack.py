@@ -16,10 +16,12 @@ configured capacities: at another capacity the requests' own stores and
 promotions would differ a little (the curve is the tier's, with the rest of
 the stack as configured).
 
-The shared tier's collector is not a stack policy (it deletes in batches
-down to a watermark, by stamps refreshed at most once a minute): its curve is
-computed by replaying its recorded stream through ``SharedModel`` at each
-capacity of the grid.
+Only LRU is a stack policy. The shared tier's collector is not (it deletes
+in batches down to a watermark, by stamps refreshed at most once a minute):
+its curve is computed by replaying its recorded stream through
+``SharedModel`` at each capacity of the grid; so is the curve of a memory or
+disk tier configured with another eviction policy (``policy_curve``, through
+``LRUModel`` under that policy).
 
 Sampling (SHARDS, Waldspurger et al., FAST'15): with ``rate`` < 1 only keys
 whose hash falls under the rate are followed and distances are scaled by
@@ -32,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvtier.plan.models import LRUModel, SharedModel
+from kvtier.tiers.eviction import EvictionPolicy
 
 _MASK = 0xFFFFFFFF
 
@@ -193,15 +196,41 @@ def lru_replay(keys: list, vals: list, capacity: int) -> int:
     return held
 
 
-def shared_curve(streams: list[_Stream], capacities: list[int], rate: float, total_tokens: int,
-                 model_args: dict) -> list[float]:
-    """Replay the shared tier's recorded stream at each capacity (scaled by
-    the sampling rate), with the same estimator as ``lru_curve``."""
+def policy_curve(streams: list[_Stream], capacities: list[int], rate: float, total_tokens: int,
+                 policy: Callable[[int], EvictionPolicy]) -> list[float]:
+    """Replay each instance's recorded stream through ``LRUModel`` under
+    ``policy(capacity)`` at each capacity (scaled by the sampling rate), with
+    the same estimator as ``lru_curve``: a memory or disk tier whose policy
+    is not LRU."""
     out = []
     for cap in capacities:
         held = sampled = 0
         for s in streams:
-            m = SharedModel(max(1, int(cap * rate)), **model_args)
+            c = max(1, int(cap * rate))
+            m = LRUModel(c, policy=policy(c))
+            for key, v in zip(s.keys, s.vals):
+                if v >= 0:
+                    m.store(key, v)
+                elif v < -1:
+                    sampled += -v - 1
+                    if key in m:
+                        held += -v - 1
+        looked_up = sum(s.looked_up for s in streams) or sampled
+        out.append(held / sampled * looked_up / total_tokens if sampled and total_tokens else 0.0)
+    return out
+
+
+def shared_curve(streams: list[_Stream], capacities: list[int], rate: float, total_tokens: int,
+                 model_args: dict, policy: Callable[[int], EvictionPolicy] | None = None) -> list[float]:
+    """Replay the shared tier's recorded stream at each capacity (scaled by
+    the sampling rate), with the same estimator as ``lru_curve``; under
+    ``policy(capacity)`` (default: ``SharedModel``'s watermark policy)."""
+    out = []
+    for cap in capacities:
+        held = sampled = 0
+        for s in streams:
+            c = max(1, int(cap * rate))
+            m = SharedModel(c, **model_args, policy=policy(c) if policy is not None else None)
             for key, v, t in zip(s.keys, s.vals, s.times):
                 if v >= 0:
                     m.store(key, v, t)

@@ -1,13 +1,16 @@
-"""The watermark collector of the tiers many instances share (a directory on
-a shared mount, S3): one policy, one trigger, one pass, one result type, over
-a lease protocol each tier implements for its storage.
+"""The collector of the tiers many instances share (a directory on a shared
+mount, S3): one trigger, one pass, one result type, over a lease protocol
+each tier implements for its storage, and the tier's eviction policy
+(``eviction``; ``watermark`` by default: once usage passes
+``high_watermark`` of capacity, delete the least recently used objects
+until usage is at most ``low_watermark``).
 
-Policy (``WatermarkPolicy``): once usage passes ``high_watermark`` of
-capacity, delete the least recently used objects until usage is at most
-``low_watermark``. An instance starts a pass on its first write, then once
-``interval_s`` has passed since its last pass, sooner (at most every 5 s)
-while its view of usage is over the high watermark. The capacity planner
-(``plan/models.py``) models the same policy object.
+A pass lists the objects and ranks them by their recency stamps into a
+fresh policy (``eviction.rank``): no process sees the others' reads, only
+the stamps they leave. An instance starts a pass on its first write, then
+once ``interval_s`` has passed since its last pass, sooner (at most every
+5 s) while its view of usage is over what the policy allows (``due``). The
+capacity planner (``plan/models.py``) runs the same policy and ``due``.
 
 A pass (``Collector.collect``) takes the tier's lease (``Leases``: at most
 one pass per store at a time; deletes are idempotent, so two passes at once
@@ -26,7 +29,9 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Generic, Protocol, Sequence, TypeVar
+from typing import Callable, Generic, Protocol, TypeVar
+
+from kvtier.tiers.eviction import EvictionPolicy, rank
 
 log = logging.getLogger(__name__)
 
@@ -47,43 +52,19 @@ class GcResult:
     reason: str = ""  # why it did not run
 
 
-@dataclass(frozen=True)
-class WatermarkPolicy:
-    capacity: int
-    high_watermark: float
-    low_watermark: float
-    interval_s: float = 0.0  # seconds between an instance's passes (0: never on its own)
+def due(policy: EvictionPolicy, interval_s: float, used: int, since_last: float) -> bool:
+    """Whether an instance whose last pass was ``since_last`` seconds ago
+    (inf: none yet) and whose view of usage is ``used`` starts one, passes
+    coming every ``interval_s`` (0: never on its own)."""
+    return interval_s > 0 and (since_last >= interval_s or (policy.over(used) and since_last >= min(interval_s, 5.0)))
 
-    @classmethod
-    def of(cls, config) -> "WatermarkPolicy":
-        """From a tier config with ``capacity``, the watermarks and ``gc_interval_s``."""
-        return cls(config.capacity, config.high_watermark, config.low_watermark, config.gc_interval_s)
 
-    def over(self, used: int) -> bool:
-        return used > self.high_watermark * self.capacity
-
-    @property
-    def target(self) -> float:
-        return self.low_watermark * self.capacity
-
-    def due(self, used: int, since_last: float) -> bool:
-        """Whether an instance whose last pass was ``since_last`` seconds ago
-        (inf: none yet) and whose view of usage is ``used`` starts one."""
-        interval = self.interval_s
-        return interval > 0 and (since_last >= interval or (self.over(used) and since_last >= min(interval, 5.0)))
-
-    def victims(self, entries: Sequence[E], size: Callable[[E], int], recency: Callable[[E], float]) -> tuple[int, list[E]]:
-        """(total bytes, the objects a pass deletes, least recent first)."""
-        total = sum(size(e) for e in entries)
-        out: list[E] = []
-        if self.over(total):
-            after, target = total, self.target
-            for e in sorted(entries, key=recency):
-                if after <= target:
-                    break
-                out.append(e)
-                after -= size(e)
-        return total, out
+def plan(policy: EvictionPolicy, entries: list[E], size: Callable[[E], int],
+         recency: Callable[[E], float]) -> tuple[int, list[E]]:
+    """(total bytes, the objects a pass deletes, first to go first): the
+    listed ``entries`` ranked by ``recency`` into ``policy`` (empty)."""
+    rank(policy, entries, size, recency)
+    return policy.used, policy.victims(policy.to_free(policy.used))
 
 
 class Trigger:
@@ -91,8 +72,9 @@ class Trigger:
     writes (True at most once until ``done``), ``done()`` when the pass ended,
     ``cancel()`` when it could not be started."""
 
-    def __init__(self, policy: WatermarkPolicy, clock: Callable[[], float] = time.monotonic):
-        self.policy = policy
+    def __init__(self, policy: EvictionPolicy, interval_s: float, clock: Callable[[], float] = time.monotonic):
+        self.policy = policy  # asked only whether usage is over (it holds no keys)
+        self.interval_s = interval_s
         self._clock = clock
         self._lock = threading.Lock()
         self._last: float | None = None  # no pass yet: the first write starts one
@@ -113,7 +95,7 @@ class Trigger:
     def due(self, used: int) -> bool:
         with self._lock:
             since = self._clock() - self._last if self._last is not None else float("inf")
-            if self._pending or not self.policy.due(used, since):
+            if self._pending or not due(self.policy, self.interval_s, used, since):
                 return False
             self._pending = True
             return True
@@ -147,7 +129,8 @@ class Leases(Protocol):
 class Collector(Generic[E]):
     """One collection pass over a tier's objects.
 
-    The tier gives ``list_entries`` (every object: raises ``trouble`` when it
+    The tier gives ``policy`` (a new, empty eviction policy for each pass),
+    ``list_entries`` (every object: raises ``trouble`` when it
     cannot list), ``size`` and ``recency`` of an entry, ``delete`` (True if
     it removed the object, False if it was gone; raises ``trouble`` to stop
     the pass) and ``trouble`` (the exceptions that mean backend trouble:
@@ -155,7 +138,8 @@ class Collector(Generic[E]):
     propagate).
     """
 
-    def __init__(self, name: str, policy: WatermarkPolicy, leases: Leases, metrics, trouble: tuple[type[BaseException], ...] = ()):
+    def __init__(self, name: str, policy: Callable[[], EvictionPolicy], leases: Leases, metrics,
+                 trouble: tuple[type[BaseException], ...] = ()):
         self.name = name
         self.policy = policy
         self.leases = leases
@@ -217,7 +201,7 @@ class Collector(Generic[E]):
         caller; None: none): deletes the policy's victims while the lease is
         valid, once ``approve`` (if given) returned on the plan."""
         t0 = time.monotonic() if t0 is None else t0
-        total, victims = self.policy.victims(entries, size, recency)
+        total, victims = plan(self.policy(), entries, size, recency)
         if approve is not None:
             approve(GcResult(True, len(entries), total, len(victims), total - sum(size(e) for e in victims),
                              victims=tuple(victims)))

@@ -1,11 +1,11 @@
-"""Local disk tier (NVMe): one owner process, byte capacity, LRU by kvtier's
-own access index.
+"""Local disk tier (NVMe): one owner process, byte capacity, an eviction
+policy (LRU by default) over kvtier's own access index.
 
-The index is an OrderedDict (least recently used first) rebuilt at start from
-the objects on disk plus an append-only access log, so recency survives
-restarts without trusting atime. Log records are 48 bytes: key digest (32),
-namespace prefix (8), access time (f64). The log is compacted at start and
-close. An exclusive ``flock`` on ``kvtier-v1/disk.lock`` keeps a second
+The index (the policy over the objects held, with their paths) is rebuilt
+at start from the objects on disk plus an append-only access log, least
+recently used first, so recency survives restarts without trusting atime.
+Log records are 48 bytes: key digest (32), namespace prefix (8), access time
+(f64). The log is compacted at start and close. An exclusive ``flock`` on ``kvtier-v1/disk.lock`` keeps a second
 process from sharing the directory (that is what the shared tier is for).
 """
 
@@ -17,7 +17,6 @@ import os
 import struct
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from kvtier.tiers.dir.files import ObjectDir
 from kvtier.tiers.dir.layout import ObjectEntry
 from kvtier.tiers.dir.filetier import FileTier, FileTierConfig
 from kvtier.tiers.dir.stamps import LoadStamps
+from kvtier.tiers.eviction import EvictionPolicy, check, make
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,11 @@ def _read_log(path: Path) -> bytes:
 @dataclass(frozen=True)
 class DiskConfig(FileTierConfig):
     name: str = opt("disk", "tier name in metrics and logs")
+    eviction: str = opt("lru", "eviction policy: lru or lfu")
+
+    def validate(self, prefix: str = "") -> None:
+        super().validate(prefix)
+        check(self.eviction, self, f"{prefix}eviction")
 
 
 class DiskTier(FileTier):
@@ -86,8 +91,9 @@ class DiskTier(FileTier):
         super().__init__(config, metrics, breaker, pool)
         self.capacity = config.capacity
         self._lock = threading.Lock()
-        self._index: OrderedDict[bytes, tuple[Path, int]] = OrderedDict()
-        self._used = 0
+        # digest -> path, walked in eviction order (``config.eviction``).
+        self._index: EvictionPolicy[bytes, Path] = make(config.eviction, config)
+        self._used = 0  # the index's bytes and those of writes admitted and not yet published
         self._lockfd = self._take_ownership()
         swept = self.dir.sweep_tmp(0.0)  # we own the directory: every temp file is an orphan
         if swept:
@@ -121,7 +127,7 @@ class DiskTier(FileTier):
     def _rebuild_index(self) -> None:
         order, log_len = by_recency(self.dir)
         for d, e, _ in order:
-            self._index[d] = (e.path, e.size)
+            self._index.insert(d, e.size, e.path)
             self._used += e.size
         self._compact_log([_REC.pack(d, bytes.fromhex(e.ns_hex)[:8], t) for d, e, t in order], log_len)
         # Over capacity after a restart with a smaller limit: evict now.
@@ -195,12 +201,12 @@ class DiskTier(FileTier):
         return admitted
 
     def _evict_locked(self, incoming: int) -> list[Path]:
-        victims = []
-        while self._index and self._used + incoming > self.capacity:
-            _, (path, size) = self._index.popitem(last=False)
-            self._used -= size
-            victims.append(path)
-        return victims
+        index = self._index
+        paths = []
+        for d in index.victims(index.to_free(self._used, incoming)):
+            paths.append(index.get(d))
+            self._used -= index.remove(d)
+        return paths
 
     def _unlink_victims(self, victims: list[Path]) -> None:
         for path in victims:
@@ -215,10 +221,10 @@ class DiskTier(FileTier):
 
     def _stored(self, key: ChunkKey, obj: ChunkObject) -> None:
         with self._lock:
-            old = self._index.pop(key.digest, None)
+            old = self._index.remove(key.digest)
             if old is not None:  # raced with another store of the same key
-                self._used -= old[1]
-            self._index[key.digest] = (self.dir.path(key), obj.nbytes)
+                self._used -= old
+            self._index.insert(key.digest, obj.nbytes, self.dir.path(key))
             self._record(key)
             used = self._used
         self.metrics.used(used)
@@ -226,8 +232,7 @@ class DiskTier(FileTier):
     def _touched(self, key: ChunkKey, mtime: float, op: OpenRead | None = None,
                  later: LoadStamps | None = None) -> None:
         with self._lock:
-            if key.digest in self._index:
-                self._index.move_to_end(key.digest)
+            if self._index.touch(key.digest):
                 self._record(key)
 
     def _forget(self, key: ChunkKey) -> None:
@@ -237,17 +242,17 @@ class DiskTier(FileTier):
         # on disk that capacity no longer counts. So look before dropping.
         with self._lock:
             if key.digest in self._index and not self.dir.exists(key):
-                self._used -= self._index.pop(key.digest)[1]
+                self._used -= self._index.remove(key.digest)
             used = self._used
         self.metrics.used(used)
 
     def clear(self) -> int:
         """Delete every object of this tier; returns how many."""
         with self._lock:
-            victims = [path for path, _ in self._index.values()]
+            victims = [self._index.get(d) for d in self._index]
             # Minus what was indexed only: writes admitted and still in
             # flight keep their share until they publish (or fail).
-            self._used -= sum(size for _, size in self._index.values())
+            self._used -= self._index.used
             self._index.clear()
         self._unlink_victims(victims)
         return len(victims)

@@ -1,4 +1,5 @@
-"""Host DRAM tier: byte capacity, LRU, objects pinned while read.
+"""Host DRAM tier: byte capacity, an eviction policy (LRU by default),
+objects pinned while read.
 
 All state sits behind one lock, held only for bookkeeping, never across a
 copy. The tier holds one reference to each object it keeps (``retain`` on
@@ -10,7 +11,6 @@ a store that cannot make room without evicting a pinned one is refused.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -19,16 +19,19 @@ from kvtier.configfields import opt, size_field
 from kvtier.errors import ConfigError
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import Tier, TierStats
+from kvtier.tiers.eviction import EvictionPolicy, check, make
 
 
 @dataclass(frozen=True)
 class MemoryConfig:
     capacity: int = size_field(0, "bytes of host DRAM for chunks (required)")
     name: str = opt("memory", "tier name in metrics and logs")
+    eviction: str = opt("lru", "eviction policy: lru or lfu")
 
     def validate(self, prefix: str = "") -> None:
         if self.capacity <= 0:
             raise ConfigError(f"{prefix}capacity", "must be set for the memory tier", "set it, e.g. capacity: 8GiB")
+        check(self.eviction, self, f"{prefix}eviction")
 
 
 class _Entry:
@@ -50,8 +53,8 @@ class MemoryTier(Tier):
         super().__init__(config, metrics, breaker, pool)
         self.capacity = config.capacity
         self._lock = threading.Lock()
-        self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
-        self._used = 0
+        # digest -> entry, walked in eviction order (``config.eviction``).
+        self._entries: EvictionPolicy[bytes, _Entry] = make(config.eviction, config)
 
     def _get(self, key: ChunkKey) -> _Entry | None:
         e = self._entries.get(key.digest)
@@ -80,7 +83,7 @@ class MemoryTier(Tier):
                 if e is None:
                     break
                 e.pins += 1
-                self._entries.move_to_end(k.digest)
+                self._entries.touch(k.digest)
                 pinned.append(e)
         self.metrics.miss(len(keys) - len(pinned))
         try:
@@ -107,39 +110,35 @@ class MemoryTier(Tier):
         with self._lock:
             old = self._entries.get(obj.header.key)
             if old is not None and old.obj.header == obj.header:
-                self._entries.move_to_end(obj.header.key)
+                self._entries.touch(obj.header.key)
                 self.metrics.skipped()
                 return True
             if old is not None:  # a colliding or stale entry: replace it unless in use
                 if old.pins:
                     return False
                 self._remove(obj.header.key)
-            victims = []
-            free = self.capacity - self._used
-            for digest, e in self._entries.items():
-                if free >= size:
-                    break
-                if e.pins == 0:
-                    victims.append(digest)
-                    free += e.obj.nbytes
-            if free < size:
-                return False
+            entries = self._entries
+            victims = entries.victims(entries.to_free(entries.used, size), self._unpinned)
+            if entries.used - sum(entries.size(d) for d in victims) + size > self.capacity:
+                return False  # pinned entries leave no room
             for digest in victims:
                 self._remove(digest)
                 evicted += 1
-            self._entries[obj.header.key] = _Entry(obj.retain())
-            self._used += size
-            used = self._used
+            entries.insert(obj.header.key, size, _Entry(obj.retain()))
+            used = entries.used
         if evicted:
             self.metrics.evicted(evicted)
         self.metrics.wrote(size)
         self.metrics.used(used)
         return True
 
+    def _unpinned(self, digest: bytes) -> bool:
+        return self._entries.get(digest).pins == 0
+
     def _remove(self, digest: bytes) -> None:
         # Caller holds the lock and has checked that the entry is not pinned.
-        e = self._entries.pop(digest)
-        self._used -= e.obj.nbytes
+        e = self._entries.get(digest)
+        self._entries.remove(digest)
         e.obj.release()
 
     def delete(self, keys: Sequence[ChunkKey]) -> int:
@@ -150,7 +149,7 @@ class MemoryTier(Tier):
                 if e is not None and e.pins == 0:
                     self._remove(k.digest)
                     n += 1
-            used = self._used
+            used = self._entries.used
         self.metrics.used(used)
         return n
 
@@ -164,18 +163,18 @@ class MemoryTier(Tier):
     def clear(self) -> int:
         """Drop every unpinned entry; returns how many."""
         with self._lock:
-            victims = [d for d, e in self._entries.items() if e.pins == 0]
+            victims = [d for d in self._entries if self._unpinned(d)]
             for d in victims:
                 self._remove(d)
-            used = self._used
+            used = self._entries.used
         self.metrics.used(used)
         return len(victims)
 
     def stats(self) -> TierStats:
         with self._lock:
-            return TierStats(self.name, self.kind, len(self._entries), self._used, self.capacity)
+            return TierStats(self.name, self.kind, len(self._entries), self._entries.used, self.capacity)
 
     def close(self) -> None:
         with self._lock:
-            for digest in [d for d, e in self._entries.items() if e.pins == 0]:
+            for digest in [d for d in self._entries if self._unpinned(d)]:
                 self._remove(digest)

@@ -7,9 +7,10 @@ machines use at once (NFS, Lustre, 3FS, Weka, ... in production).
 - Access index: on a hit, kvtier stamps the object's mtime itself (at most
   once per ``touch_interval_s``), so recency does not depend on atime, which
   shared mounts usually disable.
-- Capacity: a watermark garbage collector (``gc``) deletes the least recently
-  stamped objects once usage passes ``high_watermark`` until it falls under
-  ``low_watermark``. Any instance may run it (``kvtier store gc`` or the
+- Capacity: a garbage collector (``gc``) deletes what the ``eviction``
+  policy picks from the objects ranked by their stamps: by default
+  (``watermark``) the least recently stamped objects once usage passes
+  ``high_watermark`` until it falls under ``low_watermark``. Any instance may run it (``kvtier store gc`` or the
   automatic pass every ``gc_interval_s``): a lease file keeps two collectors
   from working at once, and deleting a content-addressed object is always
   safe (a reader that already opened it keeps its data; a later reader
@@ -23,25 +24,31 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, ClassVar
 
 from kvtier.configfields import check_watermarks, opt
 from kvtier.concurrency.executor import MAINTENANCE
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import TierStats
-from kvtier.tiers.collector import Collector, GcResult, Trigger, WatermarkPolicy
+from kvtier.tiers.collector import Collector, GcResult, Trigger, plan
 from kvtier.tiers.dir.lease import DirLeases
 from kvtier.tiers.dir.fileread import OpenRead
 from kvtier.tiers.dir.layout import ObjectEntry
 from kvtier.tiers.dir.filetier import FileTier, FileTierConfig
 from kvtier.tiers.dir.stamps import LoadStamps
+from kvtier.tiers.eviction import check, make
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class SharedConfig(FileTierConfig):
+    # Many processes and nodes read the folder: recency is the objects'
+    # stamps, which only a policy ranked by recency can use.
+    stamped_recency: ClassVar[bool] = True
+
     name: str = opt("shared", "tier name in metrics and logs")
+    eviction: str = opt("watermark", "eviction policy of the collector: watermark or lru")
     high_watermark: float = opt(0.95, "usage fraction of capacity that starts garbage collection")
     low_watermark: float = opt(0.85, "usage fraction garbage collection brings usage down to")
     touch_interval_s: float = opt(60.0, "minimum seconds between two access stamps of one object", ge=0)
@@ -52,6 +59,7 @@ class SharedConfig(FileTierConfig):
     def validate(self, prefix: str = "") -> None:
         super().validate(prefix)
         check_watermarks(prefix, self.low_watermark, self.high_watermark)
+        check(self.eviction, self, f"{prefix}eviction")
 
     def check_location(self, prefix: str = "") -> None:
         """Raise ConfigError unless the folder exists on this node (a mount
@@ -63,11 +71,11 @@ class SharedConfig(FileTierConfig):
 
 def plan_collection(entries: list[ObjectEntry], config) -> GcResult:
     """What one collection pass over ``entries`` would delete under
-    ``config``'s watermarks (``WatermarkPolicy.victims``, least recently
+    ``config``'s eviction policy (``collector.plan``, least recently
     stamped first), without a lease and without deleting: ``kvtier store gc
     --dry-run``."""
     t0 = time.monotonic()
-    total, victims = WatermarkPolicy.of(config).victims(entries, _size, _mtime)
+    total, victims = plan(make(config.eviction, config), entries, _size, _mtime)
     after = total - sum(e.size for e in victims)
     return GcResult(True, len(entries), total, len(victims), after, seconds=time.monotonic() - t0, victims=tuple(victims))
 
@@ -98,9 +106,10 @@ class SharedTier(FileTier):
         self._lock = threading.Lock()
         self._used_estimate = 0  # last scan + own writes since
         self._objects_estimate = 0
-        self._trigger = Trigger(WatermarkPolicy.of(config))
+        self._trigger = Trigger(make(config.eviction, config), config.gc_interval_s)
         self._leases = DirLeases(self.dir, config.lease_s)
-        self._collector: Collector[ObjectEntry] = Collector(self.name, self._trigger.policy, self._leases, self.metrics)
+        self._collector: Collector[ObjectEntry] = Collector(self.name, lambda: make(config.eviction, config),
+                                                            self._leases, self.metrics)
         swept = self.dir.sweep_tmp(config.tmp_max_age_s)
         if swept:
             log.info("tier %s: swept %d orphaned temp files", self.name, swept)

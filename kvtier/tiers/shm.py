@@ -20,9 +20,10 @@ for the node.
   open does: a writer that died leaves its reservation as a temp file, which
   is swept and not counted). Usage therefore never passes ``capacity``.
 - Recency: a read stamps the object's mtime (at most every
-  ``touch_interval_s``); eviction, under the lock, removes the oldest stamps
-  until usage is under ``low_watermark`` of capacity (batches keep the scans
-  rare).
+  ``touch_interval_s``); eviction, under the lock, ranks the objects of a
+  scan by those stamps and removes what the ``eviction`` policy picks (by
+  default ``watermark``: the oldest stamps, down to ``low_watermark`` of
+  capacity, in batches that keep the scans rare).
 - An object evicted while a reader has it open stays readable until the
   reader closes it (POSIX); its pages are freed then. Reads take
   milliseconds, so that is the only moment usage can exceed the ledger.
@@ -42,7 +43,7 @@ import os
 import struct
 import threading
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import ClassVar, Iterator, Sequence
 
 from kvtier.codec import ChunkObject
 from kvtier.configfields import opt, size_field
@@ -51,7 +52,9 @@ from kvtier.keys import ChunkKey
 from kvtier.tiers.base import TierStats
 from kvtier.tiers.dir.fileread import OpenRead
 from kvtier.tiers.dir.filetier import FileTier
+from kvtier.tiers.dir.layout import ObjectEntry
 from kvtier.tiers.dir.stamps import LoadStamps
+from kvtier.tiers.eviction import check, make, rank
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +70,15 @@ def default_dir() -> str:
 
 @dataclass(frozen=True)
 class ShmConfig:
+    # Every process of the node reads and writes the folder: recency is the
+    # objects' stamps, which only a policy ranked by recency can use.
+    stamped_recency: ClassVar[bool] = True
+
     capacity: int = size_field(0, "bytes of host DRAM for chunks, for the whole node (required)")
     path: str = opt("", "tmpfs directory every process of the node opens (default /dev/shm/kvtier-UID/NAME)")
     name: str = opt("shm", "tier name in metrics and logs")
-    low_watermark: float = opt(0.9, "eviction brings usage down to this fraction of capacity", gt=0)
+    eviction: str = opt("watermark", "eviction policy: watermark or lru")
+    low_watermark: float = opt(0.9, "eviction (watermark) brings usage down to this fraction of capacity", gt=0)
     touch_interval_s: float = opt(1.0, "minimum seconds between two recency stamps of one object", ge=0)
     io_threads: int = opt(4, "threads of this tier's I/O pool", ge=1)
     read_window_bytes: int = size_field(64 << 20, "bytes of reads in flight per load")
@@ -89,6 +97,7 @@ class ShmConfig:
             raise ConfigError(f"{prefix}capacity", "must be set for the node memory tier", "set it, e.g. capacity: 8GiB")
         if not 0 < self.low_watermark <= 1:
             raise ConfigError(f"{prefix}low_watermark", f"{self.low_watermark} is not in (0, 1]", "use e.g. 0.9")
+        check(self.eviction, self, f"{prefix}eviction")
         if self.io_threads <= 0:
             raise ConfigError(f"{prefix}io_threads", "must be positive", "use e.g. 4")
         if self.read_window_bytes <= 0:
@@ -100,6 +109,14 @@ class ShmConfig:
         from dataclasses import replace
 
         return self if self.path else replace(self, path=os.path.join(default_dir(), self.name))
+
+
+def _size(e: ObjectEntry) -> int:
+    return e.size
+
+
+def _mtime(e: ObjectEntry) -> float:
+    return e.mtime
 
 
 class ShmTier(FileTier):
@@ -158,21 +175,31 @@ class ShmTier(FileTier):
         return used
 
     def _evict_locked(self, need: int) -> int:
-        """Node lock held: remove the least recently stamped objects until
-        ``need`` more bytes fit under capacity (down to the low watermark
-        when eviction runs at all). Returns the usage after."""
+        """Node lock held: remove what the eviction policy picks, by the
+        objects' stamps, until ``need`` more bytes fit under capacity (with
+        ``watermark``, down to the low watermark). Returns the usage after.
+
+        The ledger, not the scan, says how much to free (it counts writes in
+        flight too), and a victim counts what its unlink freed: one another
+        process removed first frees nothing here, and the walk goes on to
+        the next."""
         used = self._used()
-        if used + need <= self.capacity:
+        policy = make(self.config.eviction, self.config)
+        free = policy.to_free(used, need)
+        if free <= 0:
             return used
-        target = min(self.capacity - need, int(self.config.low_watermark * self.capacity))
+        rank(policy, self.dir.scan(), _size, _mtime)
         evicted = 0
-        for e in sorted(self.dir.scan(), key=lambda e: e.mtime):
-            if used <= target:
-                break
-            freed = self.dir.unlink_path(e.path)
-            if freed is not None:
-                used -= freed
-                evicted += 1
+        while free > 0 and len(policy):
+            for e in policy.victims(free):
+                if free <= 0:
+                    break
+                policy.remove(e)
+                freed = self.dir.unlink_path(e.path)
+                if freed is not None:
+                    used -= freed
+                    free -= freed
+                    evicted += 1
         self._set_used(used)
         if evicted:
             self.metrics.evicted(evicted)

@@ -51,3 +51,18 @@ def test_mooncake_format_and_bad_usage(kvtier):
     assert bad.returncode == 2 and "--model" in bad.stderr
     none = kvtier("plan")
     assert none.returncode == 2 and "trace" in none.stderr
+
+
+def test_each_tier_is_simulated_under_the_eviction_policy_its_flag_names(kvtier):
+    args = (str(DATA / "mooncake_sample.jsonl"), "--memory", "1GiB", "--shared", "2GiB", "--json", "--no-progress",
+            "--curve-sample", "0")
+    s = json.loads(kvtier("plan", *args, "--shared-eviction", "lru").stdout)
+    assert [(t["kind"], t["eviction"]) for t in s["config"]["tiers"]] == [("memory", "lru"), ("shared", "lru")]
+    lfu = json.loads(kvtier("plan", *args[:-2], "--memory-eviction", "lfu").stdout)
+    assert lfu["config"]["tiers"][0]["eviction"] == "lfu"
+    curve = lfu["curves"]["memory"]  # replayed under lfu: no stack distances for it
+    assert len(curve["hit_ratio"]) == len(curve["capacity_bytes"]) > 1 and 0 < curve["best"] <= 1
+    bad = kvtier("plan", *args, "--memory-eviction", "watermark")
+    assert bad.returncode == 2 and "--memory-eviction" in bad.stderr and "low_watermark" in bad.stderr
+    bad = kvtier("plan", *args, "--shared-eviction", "mru")
+    assert bad.returncode == 2 and "--shared-eviction" in bad.stderr and "lru, watermark" in bad.stderr

@@ -23,9 +23,10 @@ token, model or tenant text ever appears in a name. The body is the encoded
   ``max_attempts`` tries (botocore's standard retry mode: exponential backoff
   with jitter). Callers wait no longer than their own deadline; the circuit
   breaker skips the tier after repeated failures. Nothing raises to the caller.
-- Capacity (S3 has no atime and no cheap usage figure): a watermark collector
-  (``gc``) lists the prefix, takes usage from the listing and deletes the least
-  recently used objects once usage passes ``high_watermark``, down to
+- Capacity (S3 has no atime and no cheap usage figure): a collector (``gc``)
+  lists the prefix, takes usage from the listing and deletes what the
+  ``eviction`` policy picks, by default (``watermark``) the least recently
+  used objects once usage passes ``high_watermark``, down to
   ``low_watermark``. Recency is the later of the object's ``LastModified`` and
   this process's own last access to it (an in-process index of the most recent
   ``access_index_entries`` keys). So that other instances see hits too, a hit
@@ -59,7 +60,8 @@ from typing import Any
 from kvtier.concurrency.executor import PriorityExecutor
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import TierStats
-from kvtier.tiers.collector import Collector, Trigger, WatermarkPolicy
+from kvtier.tiers.collector import Collector, Trigger
+from kvtier.tiers.eviction import make
 from kvtier.tiers.dir.layout import LAYOUT_DIR
 from kvtier.tiers.pooled import PooledTier
 from kvtier.tiers.s3 import presigned
@@ -94,9 +96,9 @@ class S3Tier(S3Client, S3Reads, S3Writes, S3Collection, PooledTier):
         self._used_estimate = 0  # last listing + own writes and deletes since
         self._objects_estimate = 0
         self._no_lease = False  # the server refused conditional requests
-        self._trigger = Trigger(WatermarkPolicy.of(config))
+        self._trigger = Trigger(make(config.eviction, config), config.gc_interval_s)
         self._collector: Collector[tuple[str, int, float]] = Collector(
-            self.name, self._trigger.policy, _Leases(self), self.metrics,
+            self.name, lambda: make(config.eviction, config), _Leases(self), self.metrics,
             (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError))
         # GETs and HEADs as presigned plain HTTP requests (``presigned``), unless a
         # proxy stands between us and the endpoint.
