@@ -140,9 +140,15 @@ def node_memory(store: StoreConfig) -> StoreConfig:
 
     root = store.node_memory_dir or default_dir()
     tiers = []
-    for spec in store.tiers:
+    for i, spec in enumerate(store.tiers):
         if spec.kind == "memory":
             cfg = spec.config
+            if cfg.eviction != "lru":
+                # The node's memory is shared by processes that see each
+                # other's reads only as recency stamps: it ranks by recency.
+                raise ConfigError(f"tiers[{i}].eviction", f"is {cfg.eviction!r}, but under vLLM a memory tier is the "
+                                  "node's memory, shared by every process, which ranks objects by recency only",
+                                  "use lru (the default) for a memory tier the vLLM connector runs")
             spec = TierSpec("shm", ShmConfig(capacity=cfg.capacity, name=cfg.name, path=os.path.join(root, cfg.name)))
         tiers.append(spec)
     return replace(store, tiers=tuple(tiers))

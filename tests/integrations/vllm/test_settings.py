@@ -59,3 +59,18 @@ def test_load_threads_is_a_whole_number_of_loads_read_at_once(value):
     with pytest.raises(ConfigError) as err:
         parse_connector_keys({"load_threads": value}, ["shared"])
     assert err.value.key == "vllm.load_threads"
+
+
+def test_a_memory_tier_under_vllm_becomes_the_nodes_memory_and_refuses_lfu(tmp_path):
+    from kvtier.config import parse_store_config
+    from kvtier.integrations.vllm.topology import node_memory
+
+    def store(eviction):
+        return parse_store_config({"node_memory_dir": str(tmp_path), "tiers": [
+            {"kind": "memory", "capacity": "64MiB", "eviction": eviction}]})
+
+    shm = node_memory(store("lru")).tiers[0]
+    assert shm.kind == "shm" and shm.config.capacity == 64 << 20
+    with pytest.raises(ConfigError) as err:
+        node_memory(store("lfu"))
+    assert err.value.key == "tiers[0].eviction" and "lru" in err.value.fix
