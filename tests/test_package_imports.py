@@ -8,7 +8,7 @@ of X imports a module of Y, as ``test_imports.module_graph`` reads imports
 (function-level ones included). The layers, bottom up; an edge goes only to
 a lower layer, which rules out cycles by construction:
 
-    0  version, errors, buffers, metrics, progress, concurrency
+    0  version, errors, buffers, metrics, progress, concurrency, observe
     1  kvtier, keys, auth, configfields
     2  codec
     3  tiers
@@ -26,14 +26,15 @@ The edges (``kvtier.`` left out; the layer-0 nodes import nothing of kvtier):
     auth          -> errors
     configfields  -> errors
     codec         -> auth, buffers, errors, keys, version
-    tiers         -> kvtier (_readloop), buffers, codec, concurrency, configfields, errors, keys, metrics
+    tiers         -> kvtier (_readloop), buffers, codec, concurrency, configfields, errors, keys, metrics,
+                     observe
     config        -> configfields, errors, tiers
     argtypes      -> config, errors
     engine        -> auth, buffers, codec, concurrency, config, errors, keys, metrics, tiers
     integrations  -> codec, concurrency, config, engine, errors, keys, metrics, tiers
     admin         -> argtypes, auth, codec, config, errors, keys, progress, tiers
     bench         -> kvtier (its path), argtypes, auth, buffers, codec, config, engine, errors, keys,
-                     progress, tiers, version
+                     observe, progress, tiers, version
     serve         -> config, errors, integrations
     plan          -> argtypes, bench, config, errors, progress, tiers
     check         -> auth, codec, config, errors, integrations, serve, tiers, version
@@ -52,7 +53,7 @@ from pathlib import Path
 from tests.test_imports import ROOT, cycles, module_graph
 
 LAYERS = (
-    ("version", "errors", "buffers", "metrics", "progress", "concurrency"),
+    ("version", "errors", "buffers", "metrics", "progress", "concurrency", "observe"),
     ("kvtier", "keys", "auth", "configfields"),
     ("codec",),
     ("tiers",),

@@ -86,8 +86,9 @@ from kvtier.bench.storage_report import (
     format_table,
     store_cost,
 )
+from kvtier import observe
+from kvtier.bench.readtrace import ReadTrace, ReadTraces
 from kvtier.progress import Progress, silent
-from kvtier.tiers.dir.readtrace import ReadTrace
 from kvtier.tiers.shared import SharedConfig, SharedTier
 from kvtier.version import __version__
 
@@ -230,9 +231,9 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
             else None if v[1] in FETCH_MODES else bufs
             for v in variants}
     # Where the AIO path's loads had nothing in flight (start, between reads, tail).
-    traces = {v: ReadTrace() for v in variants if v[1] in AIO_MODES}
-    for v, tr in traces.items():
-        stores[v].tier("shared").read_trace = tr
+    # The AIO streams report their reads to ``recorder`` while it is installed.
+    recorder = ReadTraces()
+    traces = {v: recorder.watch(stores[v].tier("shared")) for v in variants if v[1] in AIO_MODES}
     # The device's own rate for one load's objects at once (bench/burst.py),
     # where the store's files open with O_DIRECT and the kernel has AIO.
     odir = next(iter(stores.values())).tier("shared").dir
@@ -263,6 +264,7 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
         fio_runs[OWN_OBJECTS_JOB], requests[OWN_OBJECTS_JOB] = [], []
     tick = progress("fio + cold loads", cfg.repeats * (len(fio_runs) + len(variants) * len(sessions)
                                                        + (burst is not None) + len(loop_runs)))
+    earlier_observer = observe.install(recorder)
     try:
         # Each repeat runs every measurement, fio's and kvtier's, in the order
         # of the one before reversed: on a disk whose speed drifts within a
@@ -316,6 +318,7 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
         counted = {v: s.metrics.value("kvtier_io_cpu_seconds_total", tier="shared", kind="load")
                    + s.metrics.value("kvtier_load_caller_cpu_seconds_total") for v, s in stores.items()}
     finally:
+        observe.install(earlier_observer)
         remove_fio_file(fio_dir)
         shutil.rmtree(own_dir, ignore_errors=True)
         if burst is not None:

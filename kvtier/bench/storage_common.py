@@ -27,10 +27,10 @@ from kvtier.config import StoreConfig, TierSpec
 from kvtier.engine.store import TieredStore
 from kvtier.keys import ChunkKey, Namespace, chunk_keys
 from kvtier.bench.fio import FioRead
+from kvtier.bench.readtrace import BEGIN, END, ReadTrace
 from kvtier.bench.models import ModelShape
 from kvtier.progress import Progress
 from kvtier.tiers.memory import MemoryConfig
-from kvtier.tiers.dir.readtrace import BEGIN, END, ReadTrace
 
 MiB = 1 << 20
 GiB = 1 << 30

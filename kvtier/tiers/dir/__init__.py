@@ -13,7 +13,6 @@ kinds, one module each in ``tiers/``):
     aiostream    ``AioStream``: the Python O_DIRECT driver of a load
     nativestream ``NativeStream``: the native read loop's driver
     readpath     adaptive reads: O_DIRECT or buffered, per load
-    readtrace    when a load's reads were in flight (``bench storage``)
     stamps       the shared tier's recency stamps a load owes
     lease        the shared directory's collector lease (a lease file)
 """

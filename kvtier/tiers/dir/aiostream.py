@@ -40,11 +40,11 @@ from typing import Callable, Iterator, Sequence
 from kvtier.buffers import LoadBuffers, address, align_up, copy_into, slot
 from kvtier.codec import ChunkObject
 from kvtier.concurrency.executor import LOAD, PriorityExecutor, usable_cpus
+from kvtier import observe
 from kvtier.keys import ChunkKey
 from kvtier.tiers.dir.aio import AioContext, ContextPool
 from kvtier.tiers.dir.fileread import OpenRead
 from kvtier.tiers.readstream import MIN_INFLIGHT
-from kvtier.tiers.dir.readtrace import ReadTrace
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class AioStream:
         ahead: int = 2,
         contexts: ContextPool | None = None,
         verifiers: int | None = None,
-        trace: ReadTrace | None = None,
+        source: object = None,
         into: Sequence[memoryview] | LoadBuffers | None = None,
         ended: Callable[[], None] = lambda: None,
         done: Callable[[], None] = lambda: None,
@@ -128,7 +128,9 @@ class AioStream:
     ):
         self.path = path  # what the owner calls this way of reading (its accounting)
         self._keys = keys
-        self._trace = trace  # a benchmark's record of when reads were in flight (None in service)
+        # Told when reads go to the kernel and land, as ``source`` (the
+        # tier): the observer a benchmark installed, None in service.
+        self._obs, self._source = observe.observed(source), source
         self._refused = refused
         self._ended = ended  # called once the driver is done (with ``begin`` too)
         # Called once, by the first ``stop`` (the consumer is done, or never
@@ -238,7 +240,7 @@ class AioStream:
                         backlog.extend((i * _MAX_PIECES + j, r.op.fd, addr + off, n, off) for j, (off, n) in enumerate(pieces))
                         inflight += r.est
                         room -= len(pieces)
-                    if not self._submit(ctx, backlog, self._trace):
+                    if not self._submit(ctx, backlog):
                         break
                     if not (submitting and nxt < len(self._keys) and len(staged) < self._ahead):
                         break
@@ -277,8 +279,8 @@ class AioStream:
                             return
                     continue
                 landed, reaped = [], ctx.reap(1, _POLL_S)
-                if self._trace is not None and reaped:
-                    self._trace.io(-len(reaped))
+                if self._obs is not None and reaped:
+                    self._obs.reads_landed(self._source, len(reaped))
                 for rid, res in reaped:
                     i, j = divmod(rid, _MAX_PIECES)
                     r = pending[i]
@@ -385,8 +387,7 @@ class AioStream:
                 self._cond.notify_all()
         return obj
 
-    @staticmethod
-    def _submit(ctx: AioContext, backlog: list, trace: ReadTrace | None) -> bool:
+    def _submit(self, ctx: AioContext, backlog: list) -> bool:
         """Hand the backlog to the kernel; False if it kept some back (it is
         short of requests: they go again once reads in flight landed)."""
         if not backlog:
@@ -397,8 +398,8 @@ class AioStream:
             if not ctx.inflight:
                 raise
             took = 0
-        if trace is not None and took:
-            trace.io(took)
+        if self._obs is not None and took:
+            self._obs.reads_submitted(self._source, took)
         del backlog[:took]
         return not backlog
 

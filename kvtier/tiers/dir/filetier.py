@@ -34,7 +34,6 @@ from kvtier.tiers.dir.files import ObjectDir
 from kvtier.tiers.dir.layout import BaseHandle
 from kvtier.tiers.pooled import PooledTier
 from kvtier.tiers.dir.readpath import BUFFERED, DIRECT, ReadPathChooser
-from kvtier.tiers.dir.readtrace import ReadTrace
 from kvtier.tiers.readstream import ReadStream
 from kvtier.tiers.dir.stamps import LoadStamps, Owed
 
@@ -129,9 +128,6 @@ class FileTier(PooledTier):
         self._slow_opens = 0  # AIO loads in a row whose driver spent most of its time opening files
         self.metrics.aio_reads(self.reads_with_aio)
         self._paths = ReadPathChooser()  # adaptive_reads: O_DIRECT or buffered, per load
-        # A benchmark's record of when this tier's AIO reads were in flight
-        # (kvtier bench storage sets it); None in service.
-        self.read_trace: ReadTrace | None = None
         # Payload bytes of one token, per namespace (models, shards and KV
         # layouts differ), once an object of it was read or written here.
         self._payload_per_token: dict[bytes, int] = {}
@@ -210,7 +206,7 @@ class FileTier(PooledTier):
                         functools.partial(self._finish_read, later=later, payload_checked=True),
                         functools.partial(self._read_one, later=later), self.pool, window, self._aio_contexts,
                         into=into, path=path, refused=self._refuse_aio, ended=base.close, done=done,
-                        timed=self._aio_timed, trace=self.read_trace,
+                        timed=self._aio_timed, source=self,
                         layouts=[self._layouts.get((k.ns, k.num_tokens)) for k in keys],
                         finish_exact=functools.partial(self._finish_exact, later=later),
                         close_fresh=self._stamped_since())
@@ -222,7 +218,7 @@ class FileTier(PooledTier):
             return AioStream(self.executor, keys, functools.partial(self._begin_read, base=base),
                              functools.partial(self._finish_read, later=later),
                              functools.partial(self._read_one, base=base, later=later), self.pool, window, bpt,
-                             refused=self._refuse_aio, path=path, contexts=self._aio_contexts, trace=self.read_trace,
+                             refused=self._refuse_aio, path=path, contexts=self._aio_contexts, source=self,
                              into=into, ended=base.close, done=done, timed=self._aio_timed)
         read = functools.partial(self._read_one, direct=path == DIRECT, base=base, later=later)
         self.metrics.load_driver("threads")

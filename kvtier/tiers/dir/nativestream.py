@@ -47,11 +47,11 @@ from typing import Callable, Iterator, Sequence
 from kvtier.buffers import LoadBuffers, copy_into, slot
 from kvtier.codec import CHECKSUM_AT, CRC_AT, HEADER_STRUCT_SIZE, ChunkObject, Header, expected_head, expected_header
 from kvtier.concurrency.executor import LOAD, PriorityExecutor
+from kvtier import observe
 from kvtier.keys import ChunkKey
 from kvtier.tiers.dir.aio import ContextPool
 from kvtier.tiers.dir.fileread import OpenRead
 from kvtier.tiers.readstream import MIN_INFLIGHT
-from kvtier.tiers.dir.readtrace import ReadTrace
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ if _readloop is not None and (getattr(_readloop, "HEADER_STRUCT_SIZE", None), ge
 _POLL_S = 0.05  # how often the loop looks whether the consumer stopped, as AioStream's driver
 _TAPER = 0.75  # as AioStream's: of what has not landed yet, at most this much in flight
 _PIECE = 4 << 20  # objects larger than this are read as several requests (as AioStream)
-_TRACE_WAIT_S = 5.0  # how long a traced load's end waits for the loop's events (benchmarks only)
+_OBSERVED_WAIT_S = 5.0  # how long an observed load's end waits for the loop's events (observe.py)
 _hash_set = False
 
 
@@ -158,7 +158,7 @@ class NativeStream:
         ended: Callable[[], None] = lambda: None,
         done: Callable[[], None] = lambda: None,
         timed: Callable[[float, float], None] = lambda opening_s, active_s: None,
-        trace: ReadTrace | None = None,
+        source: object = None,
         piece_bytes: int = _PIECE,
         layouts: Sequence[tuple | None] | None = None,
         finish_exact: Callable[[ChunkKey, OpenRead, Header, float, object], ChunkObject] | None = None,
@@ -178,7 +178,10 @@ class NativeStream:
         expect = None
         if self._layouts is not None:
             expect = [None if lay is None else expected_head(k, *lay) for k, lay in zip(keys, self._layouts)]
-        self._refused, self._ended, self._timed, self._trace = refused, ended, timed, trace
+        self._refused, self._ended, self._timed = refused, ended, timed
+        # Told the loop's reads, as ``source`` (the tier), once the loop is
+        # done: the observer a benchmark installed, None in service.
+        self._obs, self._source = observe.observed(source), source
         self._done_hook: Callable[[], None] | None = done
         self._executor = executor
         self._contexts = contexts
@@ -191,7 +194,7 @@ class NativeStream:
         self._load = None  # made below (it takes the AIO context)
         self._ctx = contexts.take()
         try:
-            self._load = new_load(paths, sizes, self._ctx, window_bytes, piece_bytes, trace is not None, expect,
+            self._load = new_load(paths, sizes, self._ctx, window_bytes, piece_bytes, self._obs is not None, expect,
                                   close_fresh)
             # Buffers ahead of the consumer: what the window holds, plus two.
             per = max(1, min(sizes)) if sizes else 1
@@ -266,9 +269,12 @@ class NativeStream:
             opening_s, active_s, refused, broken = self._load.times()
             if broken and self._crash is None:  # the loop could not reap: what it did not read fails the load
                 self._crash = OSError("io_getevents failed in the native read loop")
-            if self._trace is not None:
+            if self._obs is not None:
                 for t, delta in self._load.events():
-                    self._trace.io(delta, at=t)
+                    if delta > 0:
+                        self._obs.reads_submitted(self._source, delta, t)
+                    elif delta < 0:
+                        self._obs.reads_landed(self._source, -delta, t)
             self._contexts.give(self._ctx)  # the loop drained it
             if refused:
                 self._refused()
@@ -297,10 +303,10 @@ class NativeStream:
             self._loop_end.set()
         if done is not None:
             done()
-        if self._trace is not None:
-            # A benchmark reads the trace once the load returned: the loop's
-            # events are in it once the loop drained its last reads.
-            self._loop_end.wait(_TRACE_WAIT_S)
+        if self._obs is not None:
+            # An observer reads its record once the load returned: the loop's
+            # events are told once the loop drained its last reads.
+            self._loop_end.wait(_OBSERVED_WAIT_S)
         self._settle()
 
     def iter(self, timeout: float | None) -> Iterator[ChunkObject]:

@@ -278,13 +278,13 @@ def test_verifications_run_side_by_side_up_to_the_bound(open_tier):
     assert peak[0] == 3
 
 
-def test_a_traced_load_records_every_read_it_submitted_landing(open_tier):
-    from kvtier.tiers.dir.readtrace import BEGIN, END, ReadTrace
+def test_a_traced_load_records_every_read_it_submitted_landing(open_tier, read_traces):
+    from kvtier.bench.readtrace import BEGIN, END
 
     tier = open_tier()
     c = make_chunks(10)
     tier.store(c.objs)
-    tier.read_trace = trace = ReadTrace()
+    trace = read_traces.watch(tier)
     trace.mark(BEGIN)
     assert _payloads(tier, c.keys) == c.payloads
     trace.mark(END)
@@ -294,16 +294,15 @@ def test_a_traced_load_records_every_read_it_submitted_landing(open_tier):
     assert 0 <= load.start_s + load.between_s + load.tail_s <= load.load_s
 
 
-def test_a_window_smaller_than_an_object_keeps_two_reads_in_flight(open_tier):
+def test_a_window_smaller_than_an_object_keeps_two_reads_in_flight(open_tier, read_traces):
     """However small the window, two objects are in flight: with one, each
     read would wait for the one before it to land."""
     from kvtier.tiers.readstream import MIN_INFLIGHT
-    from kvtier.tiers.dir.readtrace import ReadTrace
 
     tier = open_tier(read_window_bytes=OBJ // 2)
     c = make_chunks(8)
     tier.store(c.objs)
-    tier.read_trace = trace = ReadTrace()
+    trace = read_traces.watch(tier)
     assert _payloads(tier, c.keys) == c.payloads
     running, peak = 0, 0
     for _, kind, d in trace._events:

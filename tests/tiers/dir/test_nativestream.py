@@ -12,13 +12,14 @@ import time
 
 import pytest
 
+from kvtier import observe
+from kvtier.bench.readtrace import BEGIN, END, ReadTrace, ReadTraces
 from kvtier.buffers import LoadBuffers
 from kvtier.metrics import Metrics
 from kvtier.tiers.dir import nativestream
 from kvtier.tiers.dir.aiostream import AioStream
 from kvtier.tiers.dir.nativestream import NativeStream
 from kvtier.tiers.readstream import MIN_INFLIGHT
-from kvtier.tiers.dir.readtrace import BEGIN, END, ReadTrace
 from kvtier.tiers.shared import SharedTier
 from tests.support import OBJ, assert_object, flip_byte, make_chunks, shared_config
 from tests.tiers.dir.test_aiostream import CountingPool, _all_returned, _payloads
@@ -150,14 +151,14 @@ def test_a_load_stops_at_the_first_missing_object_and_returns_every_buffer_and_d
     assert _no_fd_leak(before)
 
 
-def test_nothing_past_a_missing_object_is_read(open_tier):
+def test_nothing_past_a_missing_object_is_read(open_tier, read_traces):
     """The loop opens objects in key order: one that is not there ends the
     load, and no object past it is opened or read (as the Python driver)."""
     tier = open_tier(read_window_bytes=64 * OBJ)  # room for every read at once
     c = make_chunks(30)
     tier.store(c.objs)
     tier.delete([c.keys[5]])
-    tier.read_trace = trace = ReadTrace()
+    trace = read_traces.watch(tier)
     assert len(_payloads(tier, c.keys)) == 5
     assert sum(d for _, kind, d in trace._events if kind == "io" and d > 0) == 5
 
@@ -462,11 +463,11 @@ def _peak(trace: ReadTrace) -> list[int]:
     return out
 
 
-def test_a_traced_load_records_every_read_it_submitted_landing(open_tier):
+def test_a_traced_load_records_every_read_it_submitted_landing(open_tier, read_traces):
     tier = open_tier()
     c = make_chunks(10)
     tier.store(c.objs)
-    tier.read_trace = trace = ReadTrace()
+    trace = read_traces.watch(tier)
     trace.mark(BEGIN)
     assert _payloads(tier, c.keys) == c.payloads
     trace.mark(END)
@@ -476,25 +477,46 @@ def test_a_traced_load_records_every_read_it_submitted_landing(open_tier):
     assert 0 <= load.start_s + load.between_s + load.tail_s <= load.load_s
 
 
-def test_a_window_smaller_than_an_object_keeps_two_reads_in_flight(open_tier):
+def test_a_window_smaller_than_an_object_keeps_two_reads_in_flight(open_tier, read_traces):
     tier = open_tier(read_window_bytes=OBJ // 2)
     c = make_chunks(8)
     tier.store(c.objs)
-    tier.read_trace = trace = ReadTrace()
+    trace = read_traces.watch(tier)
     assert _payloads(tier, c.keys) == c.payloads
     assert max(_peak(trace)) == MIN_INFLIGHT == 2
 
 
-def test_a_load_keeps_a_quarter_of_what_is_left_off_the_device(open_tier):
+def test_a_load_keeps_a_quarter_of_what_is_left_off_the_device(open_tier, read_traces):
     """As the Python driver's (_TAPER): at most three quarters of what has
     not landed yet is in flight, so the load's last reads land few."""
     tier = open_tier(read_window_bytes=64 * OBJ)  # room for the whole load
     c = make_chunks(16)
     tier.store(c.objs)
-    tier.read_trace = trace = ReadTrace()
+    trace = read_traces.watch(tier)
     assert _payloads(tier, c.keys) == c.payloads
     first_landing = next(i for i, (_, kind, d) in enumerate(sorted(trace._events)) if kind == "io" and d < 0)
     assert _peak(trace)[first_landing - 1] == 12  # not 16
+
+
+def test_only_a_watched_tiers_loads_tell_the_installed_observer(open_tier, tmp_path):
+    """The read path reports its reads to the observer installed when a load
+    starts, for the tiers it watches; with none installed (in service) and
+    for other tiers, nothing is recorded."""
+    watched, other = open_tier(), open_tier(path=tmp_path / "other")
+    c = make_chunks(6)
+    for t in (watched, other):
+        t.store(c.objs)
+    assert observe.observed(watched) is None  # the default observer: nothing listens
+    with observe.installed(ReadTraces()) as traces:
+        trace = traces.watch(watched)
+        assert observe.observed(watched) is traces and observe.observed(other) is None
+        assert _payloads(other, c.keys) == c.payloads
+        assert trace._events == []
+        assert _payloads(watched, c.keys) == c.payloads
+        recorded = list(trace._events)
+        assert sum(d for _, kind, d in recorded if kind == "io" and d > 0) == 6
+    assert _payloads(watched, c.keys) == c.payloads  # loaded with the observer gone
+    assert trace._events == recorded
 
 
 def test_a_hung_mount_times_the_load_out_and_everything_comes_back_once_it_answers(tmp_path):

@@ -1,5 +1,7 @@
 """``ReadTrace``: when a directory tier's AIO reads were in flight, against
-when its loads began and ended; for benchmarks, never on in service.
+when its loads began and ended; ``ReadTraces``, the observer
+(``kvtier.observe``) that ``kvtier bench storage`` installs to record them,
+one trace per tier. Nothing here runs in service.
 
 Why: a load can read slower than the device for lack of reads in flight
 (at its start, between batches, after its last read, while objects are
@@ -8,15 +10,18 @@ splits each load's time with nothing in flight into those three parts
 (``idle_per_load``); ``kvtier bench storage`` reports their medians for
 the AIO path (docs/benchmarks.md).
 
-Threads: the AIO driver records its reads (``io``), the load's caller
-marks its begin and end (``mark``); both append to one list, which is safe
-under the GIL, and the events are sorted by time before they are read.
+Threads: the AIO drivers report their reads through the observer (``io``),
+the load's caller marks its begin and end (``mark``); both append to one
+list, which is safe under the GIL, and the events are sorted by time before
+they are read.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+
+from kvtier.observe import Observer
 
 BEGIN, END = "begin", "end"
 
@@ -50,6 +55,38 @@ class ReadTrace:
 
     def loads(self) -> list[LoadIdle]:
         return idle_per_load(sorted(self._events, key=lambda e: e[0]))
+
+
+class ReadTraces(Observer):
+    """The observer that records the reads of the tiers it ``watch``es, each
+    in its own ``ReadTrace``; other tiers' reads are dropped. Install it
+    with ``kvtier.observe.installed``."""
+
+    active = True
+
+    def __init__(self):
+        self._traces: dict[int, tuple[object, ReadTrace]] = {}  # id(tier) -> (tier, its trace)
+
+    def watch(self, tier: object) -> ReadTrace:
+        """The trace of ``tier``'s reads from now on (one per tier)."""
+        return self._traces.setdefault(id(tier), (tier, ReadTrace()))[1]
+
+    def watches(self, source: object) -> bool:
+        return self._of(source) is not None
+
+    def _of(self, source: object) -> ReadTrace | None:
+        held = self._traces.get(id(source))
+        return held[1] if held is not None and held[0] is source else None
+
+    def reads_submitted(self, source: object, n: int, at: float | None = None) -> None:
+        trace = self._of(source)
+        if trace is not None:
+            trace.io(n, at)
+
+    def reads_landed(self, source: object, n: int, at: float | None = None) -> None:
+        trace = self._of(source)
+        if trace is not None:
+            trace.io(-n, at)
 
 
 def idle_per_load(events: list[tuple[float, str, int]]) -> list[LoadIdle]:

@@ -1,9 +1,10 @@
 """``ReadTrace``: each load's time with nothing in flight, split into its
-start, the gaps between reads and its tail, from the AIO driver's events."""
+start, the gaps between reads and its tail, from the AIO drivers' events;
+``ReadTraces``, the observer that records them per tier."""
 
 from __future__ import annotations
 
-from kvtier.tiers.dir.readtrace import BEGIN, END, LoadIdle, idle_per_load
+from kvtier.bench.readtrace import BEGIN, END, LoadIdle, ReadTraces, idle_per_load
 
 
 def test_a_loads_idle_time_is_split_into_start_gaps_and_tail():
@@ -31,3 +32,15 @@ def test_loads_without_reads_or_with_reads_left_in_flight():
 
 def test_no_marked_load_gives_nothing():
     assert idle_per_load([(1.0, "io", 1), (2.0, "io", -1)]) == []
+
+
+def test_the_recorder_keeps_each_watched_tiers_reads_apart_and_drops_the_others():
+    traces, a, b, other = ReadTraces(), object(), object(), object()
+    ta, tb = traces.watch(a), traces.watch(b)
+    assert traces.watch(a) is ta  # one trace per tier
+    assert traces.watches(a) and not traces.watches(other)
+    traces.reads_submitted(a, 3, at=1.0)
+    traces.reads_landed(b, 2, at=2.0)
+    traces.reads_submitted(other, 5, at=3.0)
+    assert ta._events == [(1.0, "io", 3)]
+    assert tb._events == [(2.0, "io", -2)]
