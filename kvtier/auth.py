@@ -19,8 +19,8 @@ Why this construction: BLAKE2b keyed is a PRF, so every header (which holds
 the object's key, namespace, layout, payload checksum and a random 16-byte
 nonce) gets an AES key of its own that nobody without K can compute, and
 GMAC under a key used once authenticates the payload at the speed of the
-AES and carry-less-multiply instructions (about 22 GB/s a core where they
-exist: a fifth of the CPU of BLAKE3, a tenth of HMAC-SHA256). A forger
+AES and carry-less-multiply instructions, cheaper per byte than BLAKE3 or
+HMAC-SHA256 (what it costs: docs/tuning.md). A forger
 either changes the header (a key nobody knows) or keeps it (a one-time key
 already spent on other bytes): both fail but with probability about
 length/2^128. GCM's nonce rules do not arise: no key is used twice.

@@ -7,21 +7,16 @@ Read buffers of 2 MiB or more may sit on transparent huge pages
 (``huge=True``): a mapping of exactly the buffer's length, starting on a
 2 MiB boundary, advised ``MADV_HUGEPAGE``. Why: an O_DIRECT read is cut
 into block requests of at most the device's ``max_segments`` physical
-segments (254 on virtio-blk, 127 or fewer on many NVMe drives), and a
-buffer of scattered 4 KiB pages makes each page a segment: a 3 MiB object
-went to the disk as requests of 0.5-1.3 MiB. Each 2 MiB huge page is one
-segment, so a 3 MiB object goes as one or two requests, and the kernel pins
-a huge page for the I/O at the cost of one 4 KiB page (docs/benchmarks.md).
-The mapping is exact, so no memory is spent beyond the buffer: the tail
-that does not fill a huge page stays on 4 KiB pages (khugepaged only
-collapses 2 MiB ranges that lie wholly inside a mapping).
+segments, and a buffer of scattered 4 KiB pages makes each page a segment,
+so an object reaches the disk in pieces; a 2 MiB huge page is one segment,
+pinned at the cost of one 4 KiB page (docs/tuning.md). The mapping is
+exact, so no memory is spent beyond the buffer: the tail that does not fill
+a huge page stays on 4 KiB pages (khugepaged only collapses 2 MiB ranges
+that lie wholly inside a mapping).
 
-That tail still costs a request: a 0.5B model's object (3 MiB + 4 KiB) is
-one huge page and 257 small ones, over 254 segments, so it goes as two
-requests (2 + 1 MiB), and in a probe such reads ran at 1.7-1.9 GB/s where
-whole-object requests ran at 2.5 (docs/benchmarks.md). ``whole=True`` maps
-whole huge pages (3 MiB + 4 KiB in 4 MiB): one request per object, at up to
-a third more memory per buffer. ``BufferPool`` gives such buffers only to O_DIRECT
+That tail still costs a request of its own. ``whole=True`` maps whole huge
+pages (3 MiB + 4 KiB in 4 MiB): one request per object, at up to a third
+more memory per buffer. ``BufferPool`` gives such buffers only to O_DIRECT
 reads of a store where no tier keeps the buffers it is handed (a
 process-local memory tier would hold them for long), and counts them at
 their whole size.
@@ -161,9 +156,9 @@ class BufferPool:
         """A buffer of ``nbytes``: recycled, or fresh and faulted in.
         ``direct_read``: it is for an O_DIRECT read (whole huge pages, where
         ``whole_reads``). A free buffer of the same length but the other
-        mapping is taken rather than a fresh one: a fresh buffer costs a
-        millisecond or more (4-5 ms for huge pages the kernel must first
-        gather), a mapping not quite of the preferred kind costs little."""
+        mapping is taken rather than a fresh one: a fresh buffer is faulted
+        in (its huge pages gathered first), a mapping not quite of the
+        preferred kind costs little."""
         whole = direct_read and self.whole_reads and self.huge and nbytes >= HUGE and _thp.usable
         exact, rounded = (nbytes, align_up(nbytes)), (nbytes, align_up(nbytes, HUGE))
         with self._lock:

@@ -1,8 +1,8 @@
 """Environment for engine subprocesses that kvtier's benchmarks start.
 
-On CPU hosts vLLM prefills about a quarter faster with tcmalloc and Intel's
-OpenMP preloaded (../shared/VLLM_CPU.md); both are used when present, and
-the choice is recorded so reports say what ran.
+On CPU hosts vLLM prefills faster with tcmalloc and Intel's OpenMP
+preloaded (vLLM's CPU installation guide recommends both); both are used
+when present, and the choice is recorded so reports say what ran.
 """
 
 from __future__ import annotations

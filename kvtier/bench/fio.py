@@ -23,10 +23,8 @@ BUFFERED_STREAMS = 16
 # with SHM_HUGETLB, from the kernel's reserved pool, ``vm.nr_hugepages``).
 # kvtier reads into buffers on transparent huge pages; fio's default buffers
 # are malloc'd, on 4 KiB pages where transparent huge pages are "madvise".
-# Measured on this project's VM (docs/benchmarks.md): an
-# O_DIRECT read pins every page of its buffer, and on 4 KiB pages fio read
-# 3 MiB requests at qd8 at 2.17 GB/s for 0.037 CPU s/GB, on huge pages at
-# 3.20 GB/s for 0.0075.
+# An O_DIRECT read pins every page of its buffer: on 4 KiB pages fio reads
+# slower and spends more CPU than on huge pages (docs/benchmarks.md).
 HUGE_PAGE_SIZE = 2 << 20
 MEMINFO = "/proc/meminfo"
 

@@ -17,7 +17,7 @@ and the loop. What a cold load through the store spends above it is the
 store's own bookkeeping, per load and per object, the part a leaner store
 could still cut (docs/benchmarks.md). The store also checks each header
 against the one it expects (a CRC-32 of 252 bytes per object); this does
-not, which leaves it a few hundred nanoseconds per object cheaper.
+not, which leaves it slightly cheaper per object.
 
 Not a kvtier read path: nothing here serves data.
 """

@@ -251,9 +251,9 @@ def run(cfg: StorageBenchConfig, progress: Progress = silent) -> dict:
         requests[LOOP, w] = []
     # fio over kvtier's own object files, as they lie: the device's rate for
     # the very bytes the cold loads read, where fio's freshly laid-out files
-    # may lie elsewhere (a disk's speed may differ by region, as this
-    # project's VM disk does). Hard links in fio's folder give fio exactly the sessions'
-    # objects (one --opendir; a list of names is too long for fio).
+    # may lie elsewhere (a disk's speed may differ by region). Hard links in
+    # fio's folder give fio exactly the sessions' objects (one --opendir; a
+    # list of names is too long for fio).
     own_dir = fio_dir / "kvtier-own-objects"
     own_huge_short = huge_pages_short((OWN_OBJECTS_DEPTH,), str(object_bytes))
     own_huge = not own_huge_short

@@ -77,7 +77,7 @@ class StorageBenchError(RuntimeError):
 
 # Read windows tried by default: on a directory, from two objects of the
 # default chunk up to the tiers' default (a window's CPU per GB differs at
-# one rate: docs/benchmarks.md); on a network tier, as before.
+# one rate: docs/benchmarks.md); on a network tier, from 16 MiB up to it.
 DIR_WINDOWS = (6 * MiB, 16 * MiB, 32 * MiB, 128 * MiB)
 TIER_WINDOWS = (16 * MiB, 32 * MiB, 128 * MiB)
 

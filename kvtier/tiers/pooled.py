@@ -184,8 +184,8 @@ class PooledTier(Tier):
         finally:
             # Hits count what was handed over (reads ahead of a miss or of an
             # abandoned fetch complete too, but served nobody), once per
-            # fetch: three counters per object cost a cold load about a
-            # tenth of its CPU outside the checksum (docs/benchmarks.md).
+            # fetch: counted per object, they are a visible part of a cold
+            # load's CPU (docs/benchmarks.md).
             self.metrics.hit(served, tokens, nbytes)
             if stream.failed is not None:
                 what = "timed out" if isinstance(stream.failed, FutureTimeout) else f"failed: {self._describe(stream.failed)}"

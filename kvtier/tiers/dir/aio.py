@@ -2,9 +2,8 @@
 through ``ctypes`` system calls: what fio's ``libaio`` engine uses, with no
 library to install.
 
-Why: a thread per outstanding read costs a thread wake-up and a GIL
-hand-off per object (``strace`` of a cold load counted ~34 futex calls per
-object read with 16-32 pool threads). With native AIO one thread keeps
+Why: a thread per outstanding read costs thread wake-ups and GIL hand-offs
+per object. With native AIO one thread keeps
 dozens of O_DIRECT reads in flight on the device and reaps them in batches.
 
 Native AIO is asynchronous only for O_DIRECT on file systems that support
@@ -181,8 +180,8 @@ class AioContext:
 class ContextPool:
     """Contexts kept for the next loads: a load's driver takes one and gives
     it back drained. Making one per load costs an ``io_setup``, and freeing it
-    an ``io_destroy``, which waits for an RCU grace period (10-40 ms here) on
-    the driver's pool thread. Thread-safe."""
+    an ``io_destroy``, which waits for an RCU grace period on the driver's
+    pool thread. Thread-safe."""
 
     def __init__(self, depth: int = 256, keep: int = 4):
         self.depth, self.keep = depth, keep

@@ -16,8 +16,7 @@ verified there: nothing is copied, and a read that lands late lands in a
 slot the next load will not reuse (``LoadBuffers``).
 
 What it saves, per object, against a pool thread per read: the thread
-wake-ups and GIL hand-offs (a cold load with 16-32 pool threads made ~34
-futex calls per object), and a future with its callbacks.
+wake-ups and GIL hand-offs, and a future with its callbacks.
 
 Threads: the driver runs as one LOAD job on the tier's ``PriorityExecutor``
 (it may block in the kernel: a hung mount holds the driver, not the
@@ -59,8 +58,8 @@ _POLL_S = 0.05
 # once then waits for all their checks. Tapered, each batch of reads lands
 # while the next is still on the device, and its checks run then: with
 # three quarters, each batch is a quarter of the one before, which hides
-# its checks wherever they run at least 4x the device's rate (XXH3: about
-# 20 GB/s a core). Measured in docs/benchmarks.md.
+# its checks wherever they run at least 4x the device's rate
+# (docs/benchmarks.md).
 _TAPER = 0.75
 
 
@@ -74,8 +73,8 @@ class AioStream:
     before the window has room for them, so that a read that lands is
     replaced by one submit call rather than by an open and a submit: on a
     disk that serves the reads in flight side by side, they land together,
-    and opening their successors only then left the device idle for 1-3 ms
-    of every window (measured in docs/benchmarks.md).
+    and opening their successors only then would leave the device idle at
+    every window (docs/benchmarks.md).
 
     Nor is more than three quarters of what has not landed yet in flight
     (``_TAPER``): reads in flight together land together, so the load's
@@ -84,8 +83,8 @@ class AioStream:
     window's worth.
 
     An object larger than ``piece_bytes`` is read as several requests of
-    about one size (a 3 MiB chunk goes whole; cutting it in 0.5-1 MiB pieces
-    gained nothing on the disk where this was measured and cost CPU).
+    about one size (a 3 MiB chunk goes whole: smaller pieces cost CPU and
+    gain no speed).
 
     The tier supplies the two halves of a read: ``begin(key, pool)`` opens
     the object and takes a buffer from ``pool`` (``OpenRead``; None for a
@@ -170,9 +169,8 @@ class AioStream:
         # Landed reads wait here, lowest index first, for one of at most
         # ``verifiers`` jobs: the consumer's next object is verified first,
         # so it starts on it while later ones are checked. By default one
-        # job per core but one (the driver's and the consumer's: two jobs
-        # per core on two cores cost more CPU than they saved, measured in
-        # docs/benchmarks.md).
+        # job per core but one (the driver's and the consumer's: more jobs
+        # than cores cost more CPU than they save, docs/benchmarks.md).
         self._to_verify: list[tuple[int, _Read]] = []
         self._verifiers = 0  # verification jobs running
         self._max_verifiers = max(1, verifiers if verifiers is not None else usable_cpus() - 1)
@@ -322,8 +320,8 @@ class AioStream:
         checksums of several objects then run on as many cores, and the
         driver goes straight back to keeping the device busy. At most one
         job per core: a window of reads tends to land at once, and a job per
-        object (measured: 8 jobs for 8 objects on 2 cores) made them all
-        finish together, the consumer's first object among the last."""
+        object would make them all finish together, the consumer's first
+        object among the last."""
         with self._cond:
             for ir in reads:
                 heapq.heappush(self._to_verify, ir)

@@ -31,9 +31,7 @@ _CHECK_HEADER_FIRST = 16 << 20
 # Buffered reads go in pieces this size: each small read returns as soon as
 # its pages are in, while the kernel's readahead fetches the next ones, so
 # the disk is kept busy and copying overlaps reading. One large read of a
-# whole object waits for all of it and was no faster than O_DIRECT on the
-# virtio disk where this was measured (pieces: 1.5-1.7 GB/s; whole-object
-# reads and O_DIRECT: 0.8-1.0 GB/s; docs/benchmarks.md).
+# whole object waits for all of it (docs/benchmarks.md).
 _BUFFERED_PIECE = 128 << 10
 
 

@@ -42,12 +42,10 @@ T = TypeVar("T")
 
 # Where opening a file is a round trip (a network or FUSE mount), one AIO
 # driver thread opens a load's objects one after the other, where pool
-# threads open them side by side: through faultfs at 0.5 ms per operation a
-# 2k load took 72 ms by AIO and 28 ms on pool threads (docs/benchmarks.md).
-# A load whose driver spent at least this share of its time opening objects,
-# for this many loads in a row, each at least ``_SLOW_OPENS_MIN_S`` long,
-# moves the tier to pool threads. On a local disk an open takes microseconds
-# of a load's milliseconds.
+# threads open them side by side (docs/benchmarks.md). A load whose driver
+# spent at least this share of its time opening objects, for this many
+# loads in a row, each at least ``_SLOW_OPENS_MIN_S`` long, moves the tier
+# to pool threads. On a local disk opening is a small part of a load.
 _SLOW_OPENS_SHARE = 0.5
 _SLOW_OPENS_LOADS = 3
 _SLOW_OPENS_MIN_S = 0.005

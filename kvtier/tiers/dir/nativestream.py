@@ -7,8 +7,8 @@ turns it into a ``ChunkObject`` with the tier's own ``finish`` (the header
 parsed and checked by ``codec.decode``, the payload's checksum already
 compared by the loop). Nothing is handed between Python threads per
 object: the Python driver (``AioStream``) costs a wake-up and a GIL
-hand-off from driver to verification job to consumer for each object, about
-half of a cold load's CPU (docs/benchmarks.md).
+hand-off from driver to verification job to consumer for each object, a
+large part of a cold load's CPU (docs/benchmarks.md).
 
 It answers to the same calls as ``AioStream`` (``iter``, ``stop``,
 ``failed``, ``delivers``, ``path``), with the same rules: reads land in

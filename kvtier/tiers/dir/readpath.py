@@ -3,18 +3,17 @@
 chosen from the rates its own recent loads reached.
 
 Why: which path is faster depends on the storage, and on some it changes
-from one minute to the next. On this project's virtio disk either path read
-up to twice as fast as the other, each in some runs of the same day
-(docs/benchmarks.md); an operator cannot tune for a device like that, and a
-default must hold on storage it was never measured on. So the tier measures
+from one minute to the next (docs/benchmarks.md); an operator cannot tune
+for a device like that, and a default must hold on storage it was never
+measured on. So the tier measures
 instead: every load's bytes over its seconds, per path, in a moving
 average; each load takes the path with the higher average, and every
 ``explore_every``-th load takes the other one, so that a change of regime
 is noticed within a few dozen loads. What the exploration costs: at most
 one load in ``explore_every`` on the slower path. Buffered reads are taken
 only when they read ``margin`` times faster: they cost more CPU per byte
-(the page cache's copy; 1.3-3.5 x O_DIRECT's in docs/benchmarks.md), and
-one load's rate is noisy, so near-equal paths must not flap.
+(the page cache's copy), and one load's rate is noisy, so near-equal paths
+must not flap.
 
 A load's rate includes the time its consumer took between objects (the copy
 into the engine's blocks), the same for both paths. Loads smaller than

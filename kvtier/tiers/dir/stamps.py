@@ -4,12 +4,11 @@ is done with the load, not between a read and its hand-over.
 Why: the shared tier's recency is each object's mtime, stamped when a read
 finds it older than ``touch_interval_s`` (``ObjectDir.stamp``): on a cold
 resume, every object the load reads. A stamp is one ``futimens``, but on a
-network or FUSE file system it is a round trip, and it ran after each
-object's verification and before its hand-over, on the job that verifies
-the load's objects one after the other. Through faultfs at 0.5 ms per
-operation, a cold 2k load took 87.3 ms with its stamps before the
-hand-overs and 71.6 ms with them after (docs/benchmarks.md). Recency needs
-the stamp, not the consumer waiting for it.
+network or FUSE file system it is a round trip: made between each object's
+verification and its hand-over, on the job that verifies the load's objects
+one after the other, the stamps would delay every object the consumer
+waits for (docs/benchmarks.md). Recency needs the stamp, not the consumer
+waiting for it.
 
 How: a read that owes a stamp hands its file, still open, to its load's
 ``LoadStamps`` (``add``) instead of closing it. Once the consumer is done

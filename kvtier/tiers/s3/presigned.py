@@ -2,20 +2,19 @@
 requests to URLs the tier's boto3 client presigns, each body received
 straight into a pooled buffer.
 
-A boto3 ``get_object`` costs about 3 ms of client CPU on this project's
-machine before the first body byte (parameter handling, the event system,
-signing, urllib3), ``head_object`` about 3.7 ms; for a 3 MiB chunk that is
-most of the client's work. Presigning the same request with the same client
-(``generate_presigned_url``: its endpoint, addressing style, region and
-credentials chain) and sending it over a kept-alive ``http.client``
-connection cost 2.5 ms per GET and 1.3 ms per HEAD, and ``readinto`` fills
-the pooled buffer without an intermediate copy (docs/deploy.md has the
-measurements).
+A boto3 ``get_object`` or ``head_object`` spends milliseconds of client
+CPU before the first body byte (parameter handling, the event system,
+signing, urllib3): for a 3 MiB chunk, most of the client's work. Presigning
+the same request with the same client (``generate_presigned_url``: its
+endpoint, addressing style, region and credentials chain) and sending it
+over a kept-alive ``http.client`` connection costs less, and ``readinto``
+fills the pooled buffer without an intermediate copy (docs/deploy.md has
+the measurements).
 
 Only the common answers are handled here: 200 (the object), 404 (a miss).
 Any other status (a redirect to another region, throttling, a server error,
 refused credentials) is ``Unhandled``: the tier repeats that call through
-boto3, whose retries and errors then apply as before. A connection that
+boto3, whose retries and errors then apply. A connection that
 fails is closed, never reused; one kept alive that the server had closed
 meanwhile is retried once on a fresh connection (no request was served).
 Timeouts: ``connect_timeout_s`` to connect, ``read_timeout_s`` per socket
@@ -80,10 +79,9 @@ _PROBE = "kvtier-presign-probe"
 class QuerySigner:
     """Presigns requests for the objects of one bucket as the tier's boto3
     client would, at a fraction of the CPU: the client's
-    ``generate_presigned_url`` spends about 0.57 ms per SigV4 URL on this
-    project's machine (0.39 per SigV2 URL: parameter handling, endpoint
-    rules, events), botocore's query signers alone 0.20 (SigV4) and 0.09 ms
-    (SigV2), and a load presigns twice per chunk (HEAD, GET).
+    ``generate_presigned_url`` wraps botocore's query signer in parameter
+    handling, endpoint rules and events, and a load presigns twice per chunk
+    (HEAD, GET).
 
     ``learn`` presigns one probe URL through the client and keeps what comes
     before the key (scheme, host, addressing style, bucket), the signing
@@ -91,7 +89,7 @@ class QuerySigner:
     (botocore's ``_request_signer._credentials``, a private attribute: if a
     botocore release drops it, or the client presigns otherwise than SigV4
     with only the usual parameters, ``learn`` returns None and the tier
-    presigns through the client as before). Refreshable credentials are
+    presigns through the client). Refreshable credentials are
     frozen per URL, as botocore does. The signature is botocore's own
     (``S3SigV4QueryAuth``, ``HmacV1QueryAuth``); tests compare its URLs with
     the client's.
