@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -248,8 +249,15 @@ def main(spec_path: str, out_path: str) -> int:
         )
         if phase.get("wait_for"):
             _wait_for(phase["wait_for"], phase.get("wait_timeout_s", 300))
+        if phase.get("flush"):
+            _rpc(llm, "kvtier_flush")  # the write-through of earlier phases lands first
+        if phase.get("command"):
+            # Another process acts first, as an operator would (e.g. ``kvtier store gc``).
+            subprocess.run(phase["command"], check=True, stdin=subprocess.DEVNULL)
+        time.sleep(phase.get("sleep_s", 0))
         if phase.get("reset_prefix_cache"):
             llm.reset_prefix_cache()
+        started = time.time()
         _drop_tiers(llm, phase.get("drop_tiers", ()), phase.get("drop_page_cache", False))
         prompts = []
         for p in phase["prompts"]:
@@ -272,7 +280,8 @@ def main(spec_path: str, out_path: str) -> int:
                     "tokens": list(c.token_ids), "logprobs": lps,
                     "num_cached_tokens": o.num_cached_tokens, "wall_s": wall,
                 })
-        out["phases"].append({"name": phase.get("name", ""), "results": results})
+        out["phases"].append({"name": phase.get("name", ""), "results": results, "started": started,
+                              "ended": time.time()})
     out["metrics"] = _vllm_metrics(llm)
     kv = _collect_kvtier_metrics()
     out["kvtier_metrics"] = kv

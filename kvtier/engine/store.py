@@ -19,7 +19,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
 
 from kvtier.buffers import BufferPool, LoadBuffers, copy_into, load_views, slot
 from kvtier import auth
@@ -34,6 +34,16 @@ from kvtier.tiers import registry
 from kvtier.tiers.base import FetchInto, Tier, TierStats
 
 log = logging.getLogger(__name__)
+
+
+class StoreListener(Protocol):
+    """Hears objects enter a tier (``stored``: the memory tier at once, a
+    lower one when its write-through landed) and leave it (``removed``,
+    ``Tier.on_removed``), on the thread that did it: record and return."""
+
+    def stored(self, tier: str, digests: list[bytes]) -> None: ...
+
+    def removed(self, tier: str, digests: list[bytes]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -103,6 +113,18 @@ class TieredStore:
         self._pending_bytes = 0
         self._prefetcher = PriorityExecutor("prefetch", 2)
         self._closed = False
+        self._listener: StoreListener | None = None
+
+    def listen(self, listener: "StoreListener") -> None:
+        """Tell ``listener`` what enters and leaves each tier from now on
+        (KV events for routers); unheard, one attribute check per batch."""
+        self._listener = listener
+        for t in self.tiers:
+            t.on_removed = listener.removed
+
+    def _entered(self, tier: Tier, objs: Sequence[ChunkObject], n: int) -> None:
+        if self._listener is not None and n > 0:
+            self._listener.stored(tier.name, [key_of(o).digest for o in objs[:n]])
 
     def tier(self, name: str) -> Tier:
         return self._by_name[name]
@@ -215,7 +237,7 @@ class TieredStore:
                         # The consumer is done with it: now the memory tier may
                         # take it (and later evict and recycle it).
                         if promote and self._promotes(tier):
-                            self.memory.store([obj])
+                            self._entered(self.memory, [obj], self.memory.store([obj]))
                     finally:
                         tier.done_with(obj)
                 if got < want:
@@ -292,7 +314,11 @@ class TieredStore:
                 # Into memory here, whatever ``promote`` says: a prefetch is
                 # asked for exactly that. Where memory refuses it (full of
                 # pinned chunks), the loader reads the rest itself.
-                if self.memory is not None and not self.memory.store([obj]):
+                if self.memory is None:
+                    break
+                n = self.memory.store([obj])
+                self._entered(self.memory, [obj], n)
+                if not n:
                     break
                 pf.advance()
         finally:
@@ -326,7 +352,7 @@ class TieredStore:
             for o in objs:
                 seal(o, self.keyring)
         if self.memory is not None:
-            self.memory.store(objs)
+            self._entered(self.memory, objs, self.memory.store(objs))
         for tier in self.tiers:
             if tier is not self.memory and tier.persistent:
                 self._write_through(tier, objs)
@@ -353,11 +379,13 @@ class TieredStore:
         fut.add_done_callback(lambda f: self._written(f, nbytes, tier, batch))
 
     def _written(self, fut: Future, nbytes: int, tier: Tier, batch: list[ChunkObject]) -> None:
-        for o in batch:
-            o.release()
         if not fut.cancelled() and fut.exception() is not None:
             log.error("tier %s: write-through failed: %s", tier.name, fut.exception())
             tier.metrics.error("store")
+        elif not fut.cancelled():
+            self._entered(tier, batch, fut.result())
+        for o in batch:
+            o.release()
         # Last: once a job leaves _pending, flush() may return, so its
         # accounting (room in the backlog, error counts) must be done.
         with self._idle:
@@ -503,7 +531,7 @@ class Fetch:
         batch, self._to_promote = self._to_promote, []
         for obj in batch:
             try:
-                self._store.memory.store([obj])
+                self._store._entered(self._store.memory, [obj], self._store.memory.store([obj]))
             finally:
                 obj.release()
         if batch:

@@ -17,6 +17,14 @@ and the attributes ``name``, ``kind``, ``config``, ``metrics`` (its
 ``TierMetrics``), ``breaker``, ``persistent``, ``host_memory`` and
 ``keeps_buffers``.
 
+Who hears of objects leaving a tier: ``on_removed`` (None by default; the
+store sets it when something listens, e.g. KV events for routers), called
+as ``on_removed(tier_name, digests)`` by the tier that evicted, deleted,
+cleared or quarantined them, on that thread, possibly under the tier's
+lock: a listener only records, quickly, and never calls back into the
+tier. A tier tells what it removes itself; what another process removes
+(another node's collector, ``kvtier store gc``) it cannot see.
+
 Keys are ``ChunkKey``; objects are ``ChunkObject``. Every method is batched.
 A tier never raises for storage trouble: it counts it and answers with a
 shorter prefix.
@@ -51,7 +59,7 @@ from __future__ import annotations
 import abc
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import ClassVar, Iterator, Protocol, Sequence, runtime_checkable
+from typing import Callable, ClassVar, Iterator, Protocol, Sequence, runtime_checkable
 
 from kvtier.buffers import BufferPool, LoadBuffers, copy_into, load_views, slot
 from kvtier.codec import ChunkObject
@@ -95,6 +103,13 @@ class Tier(abc.ABC):
         self.name: str = config.name
         self.metrics: TierMetrics = (metrics or Metrics()).for_tier(self.name)
         self.metrics.capacity(config.capacity)
+        self.on_removed: Callable[[str, list[bytes]], None] | None = None
+
+    def _removed(self, digests: Sequence[bytes]) -> None:
+        """Tell the listener (if any) that these objects left the tier."""
+        listener = self.on_removed
+        if listener is not None and digests:
+            listener(self.name, list(digests))
 
     @abc.abstractmethod
     def lookup(self, keys: Sequence[ChunkKey], timeout: float | None = None) -> int: ...

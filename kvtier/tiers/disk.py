@@ -200,20 +200,21 @@ class DiskTier(FileTier):
         self._unlink_victims(victims)
         return admitted
 
-    def _evict_locked(self, incoming: int) -> list[Path]:
+    def _evict_locked(self, incoming: int) -> list[tuple[bytes, Path]]:
         index = self._index
-        paths = []
+        victims = []
         for d in index.victims(index.to_free(self._used, incoming)):
-            paths.append(index.get(d))
+            victims.append((d, index.get(d)))
             self._used -= index.remove(d)
-        return paths
+        return victims
 
-    def _unlink_victims(self, victims: list[Path]) -> None:
-        for path in victims:
+    def _unlink_victims(self, victims: list[tuple[bytes, Path]]) -> None:
+        for _, path in victims:
             self.dir.unlink_path(path)
         if victims:
             self.metrics.evicted(len(victims))
             self.metrics.used(self._used)
+            self._removed([d for d, _ in victims])
 
     def _unadmit(self, key: ChunkKey, obj: ChunkObject) -> None:
         with self._lock:
@@ -240,16 +241,20 @@ class DiskTier(FileTier):
         # of the same key may have published a fresh file meanwhile (and
         # indexed it, or be about to): forgetting that one would leave a file
         # on disk that capacity no longer counts. So look before dropping.
+        gone = False
         with self._lock:
             if key.digest in self._index and not self.dir.exists(key):
                 self._used -= self._index.remove(key.digest)
+                gone = True
             used = self._used
         self.metrics.used(used)
+        if gone:
+            self._removed([key.digest])
 
     def clear(self) -> int:
         """Delete every object of this tier; returns how many."""
         with self._lock:
-            victims = [self._index.get(d) for d in self._index]
+            victims = [(d, self._index.get(d)) for d in self._index]
             # Minus what was indexed only: writes admitted and still in
             # flight keep their share until they publish (or fail).
             self._used -= self._index.used

@@ -128,6 +128,7 @@ class MemoryTier(Tier):
             used = entries.used
         if evicted:
             self.metrics.evicted(evicted)
+            self._removed(victims)
         self.metrics.wrote(size)
         self.metrics.used(used)
         return True
@@ -142,16 +143,17 @@ class MemoryTier(Tier):
         e.obj.release()
 
     def delete(self, keys: Sequence[ChunkKey]) -> int:
-        n = 0
+        gone = []
         with self._lock:
             for k in keys:
                 e = self._entries.get(k.digest)
                 if e is not None and e.pins == 0:
                     self._remove(k.digest)
-                    n += 1
+                    gone.append(k.digest)
             used = self._entries.used
         self.metrics.used(used)
-        return n
+        self._removed(gone)
+        return len(gone)
 
     def done_with(self, obj: ChunkObject) -> None:
         """Nothing to release: ``fetch`` lends the tier's own reference,
@@ -168,6 +170,7 @@ class MemoryTier(Tier):
                 self._remove(d)
             used = self._entries.used
         self.metrics.used(used)
+        self._removed(victims)
         return len(victims)
 
     def stats(self) -> TierStats:

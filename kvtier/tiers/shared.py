@@ -31,6 +31,7 @@ from kvtier.concurrency.executor import MAINTENANCE
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import TierStats
 from kvtier.tiers.collector import Collector, GcResult, Trigger, plan
+from kvtier.tiers.dir.journal import RemovalJournal
 from kvtier.tiers.dir.lease import DirLeases
 from kvtier.tiers.dir.fileread import OpenRead
 from kvtier.tiers.dir.layout import ObjectEntry
@@ -108,6 +109,8 @@ class SharedTier(FileTier):
         self._objects_estimate = 0
         self._trigger = Trigger(make(config.eviction, config), config.gc_interval_s)
         self._leases = DirLeases(self.dir, config.lease_s)
+        # What collection passes deleted, for other engines' KV events (journal.py).
+        self.journal = RemovalJournal(self.dir)
         self._collector: Collector[ObjectEntry] = Collector(self.name, lambda: make(config.eviction, config),
                                                             self._leases, self.metrics)
         swept = self.dir.sweep_tmp(config.tmp_max_age_s)
@@ -173,9 +176,19 @@ class SharedTier(FileTier):
                     progress(1)
             return entries
 
+        deleted: list[bytes] = []  # this pass's, for the removal journal
+
+        def delete(e: ObjectEntry) -> bool:
+            if self.dir.unlink_path(e.path) is None:
+                return False  # gone meanwhile
+            deleted.append(bytes.fromhex(e.key_hex))
+            self._removed(deleted[-1:])
+            return True
+
         def finish(r: GcResult) -> GcResult:
             tmp_swept = q_swept = 0
             if not dry_run:
+                self.journal.append(deleted)
                 tmp_swept = self.dir.sweep_tmp(self.config.tmp_max_age_s)
                 q_swept = self._sweep_quarantine()
             with self._lock:
@@ -184,8 +197,7 @@ class SharedTier(FileTier):
             self.metrics.used(r.bytes_after)
             return replace(r, tmp_swept=tmp_swept, quarantine_swept=q_swept, victims=())
 
-        return self._collector.collect(scan, _size, _mtime, lambda e: self.dir.unlink_path(e.path) is not None,
-                                       dry_run, finish, approve)
+        return self._collector.collect(scan, _size, _mtime, delete, dry_run, finish, approve)
 
     def _take_lease(self, lease: Path) -> str | None:
         """Take the collector lease at ``lease`` (``DirLeases.take_at``): its
@@ -204,12 +216,18 @@ class SharedTier(FileTier):
             if size:
                 n += 1
                 freed += size
+                self._removed([k.digest])
         with self._lock:
             self._used_estimate = max(0, self._used_estimate - freed)
             self._objects_estimate = max(0, self._objects_estimate - n)
             used = self._used_estimate
         self.metrics.used(used)
         return n
+
+    def _forget(self, key: ChunkKey) -> None:
+        # Missing where a read looked (another node's collector, an
+        # operator), or quarantined: this instance's view of it ends.
+        self._removed([key.digest])
 
     def clear(self) -> int:
         """Removes nothing: a store that other processes and nodes share is

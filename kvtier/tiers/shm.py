@@ -189,7 +189,7 @@ class ShmTier(FileTier):
         if free <= 0:
             return used
         rank(policy, self.dir.scan(), _size, _mtime)
-        evicted = 0
+        evicted: list[bytes] = []
         while free > 0 and len(policy):
             for e in policy.victims(free):
                 if free <= 0:
@@ -199,10 +199,11 @@ class ShmTier(FileTier):
                 if freed is not None:
                     used -= freed
                     free -= freed
-                    evicted += 1
+                    evicted.append(bytes.fromhex(e.key_hex))
         self._set_used(used)
         if evicted:
-            self.metrics.evicted(evicted)
+            self.metrics.evicted(len(evicted))
+            self._removed(evicted)
         return used
 
     # ------------------------------------------------------------ contract
@@ -258,26 +259,29 @@ class ShmTier(FileTier):
         self._delete_now([key])
 
     def _delete_now(self, keys: Sequence[ChunkKey]) -> int:
-        return self._unlink([lambda k=k: self.dir.unlink(k) for k in keys])
+        return self._unlink([(k.digest, lambda k=k: self.dir.unlink(k)) for k in keys])
 
     def clear(self) -> int:
         """Delete every object of this node tier (every process's); returns how many."""
-        return self._unlink([lambda p=e.path: self.dir.unlink_path(p) for e in list(self.dir.scan())])
+        return self._unlink([(bytes.fromhex(e.key_hex), lambda p=e.path: self.dir.unlink_path(p))
+                             for e in list(self.dir.scan())])
 
     def _unlink(self, removals) -> int:
-        """Run each removal (bytes freed, or None/0 if nothing was there)
-        under the node lock and take what it freed off the ledger."""
-        n = 0
+        """Run each removal, ``(digest, remove)`` where ``remove()`` returns
+        the bytes freed (None/0 if nothing was there), under the node lock
+        and take what it freed off the ledger."""
+        gone = []
         with self._node():
             used = self._used()
-            for remove in removals:
+            for digest, remove in removals:
                 freed = remove()
                 if freed:
                     used -= freed
-                    n += 1
+                    gone.append(digest)
             self._set_used(used)
         self.metrics.used(used)
-        return n
+        self._removed(gone)
+        return len(gone)
 
     def stats(self) -> TierStats:
         with self._node():

@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvtier.codec import DTYPE_SIZES
 from kvtier.errors import ConfigError
 from kvtier.engine.store import TieredStore
+from kvtier.integrations.vllm import events
 from kvtier.integrations.vllm.group import GroupView, reader_class
 from kvtier.integrations.vllm.metadata import KVTierMetadata
 from kvtier.integrations.vllm.metrics import connector_metrics
@@ -78,8 +79,13 @@ class KVTierConnector(KVConnectorBase_V1):
         self._worker: KVTierWorker | None = None
         if not worker:
             view = GroupView(s, m.store, chunk_bytes)
+            published = None
+            if events.enabled(vllm_config):
+                places = {t.name: events.place_of(t) for t in view.stores[0].tiers}
+                published = events.BlockEvents(len(topo.shard_ranks), places, s.block_size, m,
+                                               shards=lambda key: [topo.shard(key, r).digest for r in topo.shard_ranks])
             self._scheduler = KVTierScheduler(s, view, m, bytes_per_token=chunk_bytes * len(topo.shard_ranks)
-                                              / ns.chunk_tokens)
+                                              / ns.chunk_tokens, events=published)
             tiers = [t.name for t in view.stores[0].tiers]
         else:
             # A rank that does not write (replicated KV, rank > 0) reads the
@@ -87,7 +93,9 @@ class KVTierConnector(KVConnectorBase_V1):
             store = TieredStore(topo.shard_config(s.store, topo.own_shard), m.store, chunk_bytes=chunk_bytes,
                                 tier_class=None if topo.saves else reader_class)
             group = kv_cache_config.kv_cache_groups[0]
-            self._worker = KVTierWorker(s, store, list(group.layer_names), kv_cache_config.num_blocks, m)
+            # Only the ranks that save report what their stores hear.
+            heard = events.RankEvents(m) if events.enabled(vllm_config) and topo.saves else None
+            self._worker = KVTierWorker(s, store, list(group.layer_names), kv_cache_config.num_blocks, m, heard)
             # An engine that exits without calling shutdown still publishes
             # what it saved (the store's close drains its write-through).
             atexit.register(self._worker.close)
@@ -121,6 +129,13 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def request_finished(self, request, block_ids: list[int]):
         return self._scheduler.request_finished(request, block_ids)
+
+    def take_events(self):
+        """kvtier's tiers' KV events since the last call (events.py); vLLM
+        publishes them with its own when ``--kv-events-config`` enables them."""
+        if self._scheduler is None or self._scheduler.events is None:
+            return ()
+        return self._scheduler.events.take()
 
     # ------------------------------------------------------------ worker
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -74,17 +74,22 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):
 
     ``step`` is the number of the step this output belongs to; the workers
     send it every step, so that vLLM never drops a step's output as empty
-    and the scheduler's step timer sees every step (costs.py)."""
+    and the scheduler's step timer sees every step (costs.py).
+
+    ``events``: with KV events on, what each rank's store heard since its
+    last step, by group key (events.py); merged, every rank's reports."""
 
     reads: dict[str, tuple[float, int]] = field(default_factory=dict)
     stopped: dict[str, str] = field(default_factory=dict)
     step: int = 0
+    events: list[tuple[str, str, bytes]] = field(default_factory=list)
 
     def aggregate(self, other: "KVTierWorkerMeta") -> "KVTierWorkerMeta":
         merged = dict(self.reads)
         for rid, read in other.reads.items():
             merged[rid] = merge_reads(merged.get(rid), read)
-        return KVTierWorkerMeta(merged, {**other.stopped, **self.stopped}, max(self.step, other.step))
+        return KVTierWorkerMeta(merged, {**other.stopped, **self.stopped}, max(self.step, other.step),
+                                self.events + other.events)
 
 
 def merge_reads(a: tuple[float, int] | None, b: tuple[float, int]) -> tuple[float, int]:

@@ -95,6 +95,16 @@ class ConnectorMetrics:
         self.saved_chunks = Counter(
             "kvtier_vllm_saved_chunks", "Chunk shards gathered from the engine and handed to the store",
             registry=registry)
+        self.events = Counter(
+            "kvtier_vllm_kv_events",
+            "KV events kvtier handed to vLLM's publisher (--kv-events-config), per tier: kind=stored "
+            "(BlockStored: every rank's shard of a chunk entered the tier), removed (BlockRemoved)",
+            ["tier", "kind"], registry=registry)
+        self.events_dropped = Counter(
+            "kvtier_vllm_kv_events_dropped",
+            "KV events kvtier could not publish: reason=no_block_hashes (vLLM hashed no blocks for the "
+            "request: prefix caching off), worker_backlog (a worker heard more between two steps than it holds)",
+            ["reason"], registry=registry)
 
 
 _lock = threading.Lock()

@@ -35,6 +35,7 @@ from kvtier.integrations.vllm.claims import Claims
 from kvtier.integrations.vllm.costs import LoadCosts
 from kvtier.integrations.vllm.eligibility import cacheable, must_compute_prompt
 from kvtier.integrations.vllm.enginewait import QuietWhileLoading
+from kvtier.integrations.vllm.events import BlockEvents, Journals
 from kvtier.integrations.vllm.group import GroupView
 from kvtier.integrations.vllm.lookup import Hit, all_in_memory, longest_prefix, tiers_in
 from kvtier.integrations.vllm.metadata import ChunkIO, KVTierMetadata, KVTierWorkerMeta, LoadJob, SaveJob, merge_reads
@@ -51,10 +52,14 @@ _LOOKUP_GRACE_S = 0.005
 
 
 class KVTierScheduler:
-    def __init__(self, settings: Settings, view: GroupView, metrics: ConnectorMetrics, bytes_per_token: float = 0.0):
+    def __init__(self, settings: Settings, view: GroupView, metrics: ConnectorMetrics, bytes_per_token: float = 0.0,
+                 events: BlockEvents | None = None):
         """``bytes_per_token``: of every shard of a chunk together (turns
-        the configured ``read_rates`` seeds into load time per token)."""
+        the configured ``read_rates`` seeds into load time per token).
+        ``events``: with vLLM's KV events on, the tiers' events (events.py):
+        told of every chunk saved or loaded, and of what the ranks heard."""
         self.settings = settings
+        self.events = events
         self.view = view
         self.metrics = metrics
         self.bs = settings.block_size
@@ -75,6 +80,8 @@ class KVTierScheduler:
             settings.load_threads)
         self.claims = Claims(self.costs, metrics, self.bs, d.mode)
         self.probes = TierProbes(view, self.costs, metrics, settings.store, d, self._persistent)
+        # What other nodes' collectors deleted from the shared tiers, for the events.
+        self._journals = Journals(view.stores[0].tiers, self._lookups) if events is not None else None
 
     def set_page(self, page: str) -> None:
         """The workers' page layout (their handshake, before any request):
@@ -215,6 +222,8 @@ class KVTierScheduler:
                 continue
             # Blocks of this chunk up to the claimed end: the chunk may run past it.
             ids = block_ids[start // self.bs : min(end, hi) // self.bs]
+            if self.events is not None and not src:
+                self.events.remember(k, request, start)  # promoted into memory as it loads
             chunks.append(ChunkIO(k, ids, skip=(max(start, lo) - start) // self.bs, source_tp=src))
             tiers.append(tier)
         st.loading_blocks = {b for c in chunks for b in c.block_ids[c.skip :]}
@@ -266,6 +275,7 @@ class KVTierScheduler:
         req, C, bs = st.request, self.chunk, self.bs
         whole = min(computed, len(req.all_token_ids)) // bs * bs
         tokens = req.all_token_ids
+        first = st.saved_upto  # chunk j of this step's starts at first + j*C
         chunks: list[ChunkIO] = []
         while st.saved_upto + C <= whole:
             i = st.saved_upto // C
@@ -276,9 +286,13 @@ class KVTierScheduler:
             key = st.keys.tail(tokens, st.saved_upto, whole)
             chunks.append(ChunkIO(key, st.block_ids[st.saved_upto // bs : whole // bs]))
             st.tail_saved = True
+        starts = {id(c): first + j * C for j, c in enumerate(chunks)}
         chunks = [c for c in chunks if len(c.block_ids) * bs == c.key.num_tokens]
         if chunks:
             meta.saves.append(SaveJob(req.request_id, chunks))
+            if self.events is not None:
+                for c in chunks:
+                    self.events.remember(c.key, req, starts[id(c)])
             self.probes.calibrate(chunks[0].key)
 
     def _nowhere_to_save(self) -> bool:
@@ -307,6 +321,11 @@ class KVTierScheduler:
             for rid, why in timings.stopped.items():
                 if rid in self._reqs:
                     self._reqs[rid].stopped = self._reqs[rid].stopped or why
+            if self.events is not None and timings.events:
+                self.events.heard(timings.events)
+        if self._journals is not None:
+            for tier, digests in self._journals.poll():
+                self.events.journaled(tier, digests)
         in_flight = False
         for rid, st in self._reqs.items():
             if st.loading_blocks is None:

@@ -37,6 +37,7 @@ import torch
 from kvtier.concurrency.executor import LOAD, PriorityExecutor, place_io_threads
 from kvtier.engine.store import TieredStore
 from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.events import RankEvents
 from kvtier.integrations.vllm.flight import Flight, Flights
 from kvtier.integrations.vllm.iocpus import cpu_list, io_thread_cpus
 from kvtier.integrations.vllm.layout import PageLayout, detect
@@ -57,8 +58,13 @@ _IDLE_WAIT_S = 0.005
 
 class KVTierWorker:
     def __init__(self, settings: Settings, store: TieredStore, layer_names: list[str], num_blocks: int,
-                 metrics: ConnectorMetrics):
+                 metrics: ConnectorMetrics, events: RankEvents | None = None):
+        """``events``: with vLLM's KV events on, what this rank's store hears
+        (events.py), sent with each step's worker metadata."""
         self.settings = settings
+        self.events = events
+        if events is not None:
+            store.listen(events)
         self.store = store
         self.metrics = metrics
         self.topology = settings.topology
@@ -120,6 +126,7 @@ class KVTierWorker:
         if self._sync_pending:
             self._sync_pending = [p for p in self._sync_pending if not self._reclaimed(p)]
         for job in meta.loads:
+            self._name(job.chunks)
             if job.sync:
                 t0 = time.perf_counter()
                 try:
@@ -198,10 +205,20 @@ class KVTierWorker:
         (engine thread, once per step), with the number of the step: the
         scheduler's cost model learns each tier's speed and each step's
         time from them (costs.py). None only when there is neither."""
-        if not self._reads and not step:
+        events = self.events.take() if self.events is not None else []
+        if not self._reads and not step and not events:
             return None
-        meta, self._reads, self._stopped = KVTierWorkerMeta(self._reads, self._stopped, step), {}, {}
+        meta, self._reads, self._stopped = KVTierWorkerMeta(self._reads, self._stopped, step, events), {}, {}
         return meta
+
+    def _name(self, chunks) -> None:
+        """Tell the events which shard names these group chunks have here
+        (a shard of another TP size's chunk is not this engine's to publish)."""
+        if self.events is None or self.reader is None:
+            return
+        for c in chunks:
+            if not c.source_tp:
+                self.events.name(c.key, self.reader.key(c.key))
 
     def _reclaimed(self, p) -> bool:
         if not p.finished():
@@ -220,6 +237,7 @@ class KVTierWorker:
             return
         t0 = time.perf_counter()
         for job in meta.saves:
+            self._name(job.chunks)
             self.saver.save(job)
         self.metrics.save_seconds.observe(time.perf_counter() - t0)
 
