@@ -3,7 +3,8 @@
 Each configuration runs the same workload (``kvtier.bench.workloads``) in its
 own engine processes, one configuration after the other, never two
 configurations at once (they would share the cores). The configurations, and
-what each one's engines are given, are listed in ``kvtier.bench.resume_configs``.
+what each one's engines are given, are in ``kvtier.bench.resume_configs``, with
+the run's settings (``ResumeConfig``).
 
 Workloads: W1 long-context cold resume (per context length), W2 multi-turn
 chat, W3 multi-instance cold resume (K engine processes at once, pinned to
@@ -36,72 +37,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from kvtier.bench import workloads as wl
 from kvtier.bench.engine_env import engine_env
-from kvtier.bench.resume_configs import (BLOCK, CHUNK, CONFIGS, CUDA_PEERS, MP, NO_CONNECTOR, SWEEP_CONFIGS,
-                                         W0_CONFIGS, W3_CONFIGS, base_config, engine_spec, longest_request,
-                                         unavailable_peers)
+from kvtier.bench.resume_configs import (BLOCK, CHUNK, MP, NO_CONNECTOR, ResumeConfig, base_config, engine_spec,
+                                         longest_request, unavailable_peers)
 from kvtier.bench.resume_report import summarise
-from kvtier.bench.tinymodels import PRESETS, build_checkpoint, build_config_only, has_cuda, resolve_dtype
+from kvtier.bench.tinymodels import PRESETS, build_checkpoint, build_config_only, resolve_dtype
 
 WORKLOADS = ("w1", "w2", "w3", "w0")
-
-
-@dataclass(frozen=True)
-class ResumeConfig:
-    workdir: Path
-    workload: str = "w1"
-    model: str = "qwen2.5-0.5b"
-    contexts: tuple[int, ...] = (2048, 8192)
-    sessions: int = 3
-    resumes: int = 1                       # W1/W3: cold resumes of every session (phases resume, resume-2, ...)
-    configs: tuple[str, ...] = ()          # empty: the workload's default set
-    dummy_weights: bool = True
-    dtype: str = "auto"                    # dummy weights: bfloat16 where the host computes it natively, else float32
-    seed: int = 0
-    chat: wl.ChatShape = field(default_factory=wl.ChatShape)
-    instances: int = 3
-    repeats: int = 3                       # W0: alternating rounds per configuration
-    rounds: int = 1                        # W1-W3: engine runs per configuration, in ABBA order
-    warmup: bool = False                   # one unmeasured engine run before the measured ones
-    fio: bool = True
-    vocab: int | None = None               # token ids drawn below this (default: the model preset's)
-    engine_timeout_s: float = 3600
-    throttle_bps: float = 1e6              # kvtier-throttled: the mount's read rate, bytes per second
-    load_decision: str = "auto"            # the connector's load_decision (docs/vllm.md)
-    concurrency: tuple[int, ...] = ()      # W1: sessions returning at once, one burst per level (a sweep)
-    answer_tokens: int = 16                # sweep: tokens each resumed session answers
-    local_ratio: float = 6.78 / 10.3       # sweep: kvtier-local-drive's read rate over the device's
-    tensor_parallel: int = 1               # the engines' tensor_parallel_size (a CPU each)
-    staging_bytes: int = 32 << 20          # kvtier-staged: its memory tier's capacity
-    device_bps: float = 0                  # sweep: model the device at this read rate (0: as it is)
-    rates: tuple[float, ...] = ()          # W2: arrival rates, one phase each, ascending (goodput.py)
-    slo_s: float = 2.0                     # W2 over rates: the TTFT p95 target, seconds
-
-    @property
-    def sweep(self) -> bool:
-        return self.workload == "w1" and bool(self.concurrency)
-
-    @property
-    def goodput(self) -> bool:
-        return self.workload == "w2" and bool(self.rates)
-
-    def config_names(self) -> tuple[str, ...]:
-        if self.configs:
-            return self.configs
-        default = {"w3": W3_CONFIGS, "w0": W0_CONFIGS}.get(self.workload, CONFIGS)
-        if self.sweep:
-            return SWEEP_CONFIGS
-        if self.goodput:
-            from kvtier.bench.goodput import CONFIGS as GOODPUT_CONFIGS
-
-            return GOODPUT_CONFIGS
-        # Where they run (CUDA), the peers join W1 and W2.
-        return default + (tuple(CUDA_PEERS) if self.workload in ("w1", "w2") and has_cuda() else ())
 
 
 def cases(cfg: ResumeConfig) -> list[tuple[str, wl.Workload]]:

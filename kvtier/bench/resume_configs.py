@@ -1,6 +1,7 @@
-"""The configurations ``kvtier bench resume`` compares, and what each one's
-engine processes are given: the model length and block budget, the kvtier
-tiers, the connector, and what a cold phase drops.
+"""What ``kvtier bench resume`` runs: its settings (``ResumeConfig``), the
+configurations it compares, and what each one's engine processes are given
+(``engine_spec``: the model length and block budget, the kvtier tiers, the
+connector, and what a cold phase drops). ``kvtier.bench.resume`` runs them.
 
     recompute          no connector, no prefix cache
     prefix-cache       no connector, vLLM's prefix cache only
@@ -49,14 +50,11 @@ tiers, the connector, and what a cold phase drops.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from kvtier.bench import workloads as wl
 from kvtier.bench.tinymodels import has_cuda, resolve_dtype
-
-if TYPE_CHECKING:
-    from kvtier.bench.resume import ResumeConfig
 
 CONFIGS = ("recompute", "prefix-cache", "kvtier-memory", "kvtier-disk", "kvtier-shared", "example")
 W3_CONFIGS = ("recompute", "kvtier-local-disk", "kvtier-shared")
@@ -106,6 +104,59 @@ def valid_config(name: str) -> bool:
 
 def unavailable_peers() -> dict[str, str]:
     return {} if has_cuda() else dict(CUDA_PEERS)
+
+
+@dataclass(frozen=True)
+class ResumeConfig:
+    workdir: Path
+    workload: str = "w1"
+    model: str = "qwen2.5-0.5b"
+    contexts: tuple[int, ...] = (2048, 8192)
+    sessions: int = 3
+    resumes: int = 1                       # W1/W3: cold resumes of every session (phases resume, resume-2, ...)
+    configs: tuple[str, ...] = ()          # empty: the workload's default set
+    dummy_weights: bool = True
+    dtype: str = "auto"                    # dummy weights: bfloat16 where the host computes it natively, else float32
+    seed: int = 0
+    chat: wl.ChatShape = field(default_factory=wl.ChatShape)
+    instances: int = 3
+    repeats: int = 3                       # W0: alternating rounds per configuration
+    rounds: int = 1                        # W1-W3: engine runs per configuration, in ABBA order
+    warmup: bool = False                   # one unmeasured engine run before the measured ones
+    fio: bool = True
+    vocab: int | None = None               # token ids drawn below this (default: the model preset's)
+    engine_timeout_s: float = 3600
+    throttle_bps: float = 1e6              # kvtier-throttled: the mount's read rate, bytes per second
+    load_decision: str = "auto"            # the connector's load_decision (docs/vllm.md)
+    concurrency: tuple[int, ...] = ()      # W1: sessions returning at once, one burst per level (a sweep)
+    answer_tokens: int = 16                # sweep: tokens each resumed session answers
+    local_ratio: float = 6.78 / 10.3       # sweep: kvtier-local-drive's read rate over the device's
+    tensor_parallel: int = 1               # the engines' tensor_parallel_size (a CPU each)
+    staging_bytes: int = 32 << 20          # kvtier-staged: its memory tier's capacity
+    device_bps: float = 0                  # sweep: model the device at this read rate (0: as it is)
+    rates: tuple[float, ...] = ()          # W2: arrival rates, one phase each, ascending (goodput.py)
+    slo_s: float = 2.0                     # W2 over rates: the TTFT p95 target, seconds
+
+    @property
+    def sweep(self) -> bool:
+        return self.workload == "w1" and bool(self.concurrency)
+
+    @property
+    def goodput(self) -> bool:
+        return self.workload == "w2" and bool(self.rates)
+
+    def config_names(self) -> tuple[str, ...]:
+        if self.configs:
+            return self.configs
+        default = {"w3": W3_CONFIGS, "w0": W0_CONFIGS}.get(self.workload, CONFIGS)
+        if self.sweep:
+            return SWEEP_CONFIGS
+        if self.goodput:
+            from kvtier.bench.goodput import CONFIGS as GOODPUT_CONFIGS
+
+            return GOODPUT_CONFIGS
+        # Where they run (CUDA), the peers join W1 and W2.
+        return default + (tuple(CUDA_PEERS) if self.workload in ("w1", "w2") and has_cuda() else ())
 
 
 def longest_request(workload: wl.Workload) -> int:
