@@ -260,17 +260,17 @@ def _resume_parser(bsub) -> None:
 
 
 def cmd_bench_resume(args: argparse.Namespace) -> int:
-    from kvtier.bench import goodput, resume, resume_report, sweep
+    from kvtier.bench import goodput, resume, resume_configs, resume_report, sweep
     from kvtier.bench.tinymodels import PRESETS
     from kvtier.bench.workloads import ChatShape
 
     if args.model not in PRESETS:
         raise ConfigError("--model", f"unknown model preset {args.model!r}", f"use one of: {', '.join(PRESETS)}")
-    unknown = [c for c in args.configs if not resume.valid_config(c)]
+    unknown = [c for c in args.configs if not resume_configs.valid_config(c)]
     if unknown:
         raise ConfigError("--configs", f"unknown configuration {unknown[0]!r}",
-                          f"use some of: {', '.join(resume.ALL_CONFIGS)} (kvtier ones with {resume.MP} for vLLM's "
-                          "multiprocess mode)")
+                          f"use some of: {', '.join(resume_configs.ALL_CONFIGS)} (kvtier ones with "
+                          f"{resume_configs.MP} for vLLM's multiprocess mode)")
     if args.resumes < 1 or (args.resumes > 1 and args.sessions < 2):
         raise ConfigError("--resumes", f"{args.resumes} resumes of {args.sessions} session(s): a session resumed "
                           "again must have been evicted by another one", "pass --resumes 1, or --sessions 2 or more")
@@ -278,7 +278,7 @@ def cmd_bench_resume(args: argparse.Namespace) -> int:
         raise ConfigError("--instances", f"must be at least 1, got {args.instances}", "pass --instances 3, say")
     if args.tensor_parallel < 1:
         raise ConfigError("--tensor-parallel", f"must be at least 1, got {args.tensor_parallel}", "pass 1 or 2")
-    if args.tensor_parallel > 1 and any(not c.endswith(resume.MP) for c in args.configs or ("",)):
+    if args.tensor_parallel > 1 and any(not c.endswith(resume_configs.MP) for c in args.configs or ("",)):
         raise ConfigError("--tensor-parallel", "ranks run in processes of their own: every configuration must "
                           "run in vLLM's multiprocess mode", "name them NAME+mp, e.g. --configs kvtier-shared+mp")
     levels = args.concurrency or ()

@@ -37,15 +37,13 @@ every rate and kvtier holds the SLO at ``BAR`` times the lowest.
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
-import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
 from kvtier.bench import workloads as wl
-from kvtier.bench.resume_report import pct
+from kvtier.bench.resume_report import pct, pyplot, write_summary
 
 CONFIGS = ("recompute", "prefix-cache", "kvtier-shared")
 BAR = 2.0            # kvtier-shared goodput / prefix-cache's, at least
@@ -205,22 +203,13 @@ def format_table(s: dict) -> str:
 
 
 def write_report(s: dict, out_dir: Path) -> list[Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = [out_dir / "goodput.json", out_dir / "goodput.md"]
-    paths[0].write_text(json.dumps(s, indent=2) + "\n")
-    paths[1].write_text("```\n" + format_table(s) + "\n```\n")
-    return paths + _plot(s, out_dir)
+    return write_summary(s, out_dir, "goodput", format_table(s)) + _plot(s, out_dir)
 
 
 def _plot(s: dict, out_dir: Path) -> list[Path]:
     """TTFT p95 against the arrival rate per configuration, with the SLO."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("plot skipped: matplotlib is not installed (pip install 'kvtier[bench]')", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return []
     fig, ax = plt.subplots(figsize=(6.5, 4))
     rates = s["rates"]

@@ -359,6 +359,30 @@ def _ms(x: float) -> str:
     return f"{x * 1000:>8.1f} ms" if x > 0 else f"{'at floor':>11}"
 
 
+def write_summary(s: dict, out_dir: Path, stem: str, table: str) -> list[Path]:
+    """``STEM.json`` (the summary ``s``) and ``STEM.md`` (``table`` in a code
+    block) in ``out_dir``: the report files of a sweep or a goodput run."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / f"{stem}.json", out_dir / f"{stem}.md"]
+    paths[0].write_text(json.dumps(s, indent=2) + "\n")
+    paths[1].write_text("```\n" + table + "\n```\n")
+    return paths
+
+
+def pyplot():
+    """matplotlib's pyplot drawing into files, or None where matplotlib is
+    not installed (said on stderr: the report goes on without plots)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("plots skipped: matplotlib is not installed (pip install 'kvtier[bench]')", file=sys.stderr)
+        return None
+    return plt
+
+
 def write_report(s: dict, out_dir: Path) -> list[Path]:
     """results.json, report.md and PNG plots in ``out_dir`` (requests.jsonl,
     the per-request log, is written there by the run)."""

@@ -145,7 +145,7 @@ def window_advice(r: dict) -> str:
     cheapest variant at its speed, and how to check it end to end (in vLLM
     the engine holds objects longer than these loads do, so a window that
     pays here may not pay there: docs/benchmarks.md)."""
-    from kvtier.bench.resume import READ_PATHS  # its configurations' names; not needed at start-up
+    from kvtier.bench.resume_configs import READ_PATHS  # its configurations' names; not needed at start-up
 
     w, default = r["suggested_read_window_bytes"], FileTierConfig().read_window_bytes
     mode = r["cold"][r["cold_cpu_variant"]]["read_mode"]

@@ -32,10 +32,9 @@ suffixes into one step can come in under it where S > L.
 from __future__ import annotations
 
 import statistics
-import sys
 from pathlib import Path
 
-from kvtier.bench.resume_report import pct
+from kvtier.bench.resume_report import pct, pyplot, write_summary
 
 BARS = {
     "over_floor": 1.2,            # kvtier-shared TTFT p50 / floor p50 at the largest level, at most
@@ -295,24 +294,13 @@ def format_table(s: dict) -> str:
 
 
 def write_report(s: dict, out_dir: Path) -> list[Path]:
-    import json
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = [out_dir / "sweep.json", out_dir / "sweep.md"]
-    paths[0].write_text(json.dumps(s, indent=2) + "\n")
-    paths[1].write_text("```\n" + format_table(s) + "\n```\n")
-    return paths + _plot(s, out_dir)
+    return write_summary(s, out_dir, "sweep", format_table(s)) + _plot(s, out_dir)
 
 
 def _plot(s: dict, out_dir: Path) -> list[Path]:
     """TTFT p50 (and the floor) and throughput against the number of sessions."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("plots skipped: matplotlib is not installed (pip install 'kvtier[bench]')", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return []
     paths = []
     for case, by in s["results"].items():

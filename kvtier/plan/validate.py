@@ -6,9 +6,9 @@ tokens measured) and ``results.json`` (per case and configuration: the
 tokens each kvtier tier served, TTFT percentiles, the fio bandwidth). Each
 (configuration, case, round) ran in fresh engines on an empty store, so each
 is replayed by a fresh simulator with what that configuration ran
-(``kvtier.bench.resume._spec``): its tiers and capacities, chunks of 256
-tokens, engine blocks of 128, the engine's KV size, prefix caching off for
-``recompute``, the log's own instance for every request.
+(``kvtier.bench.resume_configs.engine_spec``): its tiers and capacities,
+chunks of 256 tokens, engine blocks of 128, the engine's KV size, prefix
+caching off for ``recompute``, the log's own instance for every request.
 
 Checks, per case and configuration:
     hit tokens of every kvtier tier   equal to what the tier served (vLLM's
@@ -42,7 +42,7 @@ from kvtier.plan.sim import PlanConfig, Simulator, TierPlan
 GiB = 1 << 30
 TTFT_TOLERANCE = 0.15
 BLOCK, CHUNK = 128, 256
-# What kvtier bench resume gives each configuration (kvtier/bench/resume.py).
+# What kvtier bench resume gives each configuration (kvtier/bench/resume_configs.py).
 CONFIG_TIERS = {
     "kvtier-memory": (("memory", 8 * GiB),),
     "kvtier-disk": (("disk", 32 * GiB),),

@@ -31,7 +31,8 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable, Generic, Protocol, TypeVar
 
-from kvtier.tiers.eviction import EvictionPolicy, rank
+from kvtier.configfields import check_watermarks, opt
+from kvtier.tiers.eviction import EvictionPolicy, check, rank
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,23 @@ class GcResult:
     seconds: float = 0.0
     victims: tuple = ()  # a dry run's plan: the objects a pass would delete, least recent first
     reason: str = ""  # why it did not run
+
+
+@dataclass(frozen=True)
+class CollectedConfig:
+    """The keys of a tier this collector keeps within capacity (shared
+    directory, S3), mixed into its config: put it before a base config so
+    that its keys follow that base's."""
+
+    eviction: str = opt("watermark", "eviction policy of the collector: watermark or lru")
+    high_watermark: float = opt(0.95, "usage fraction of capacity that starts collection")
+    low_watermark: float = opt(0.85, "usage fraction collection brings usage down to")
+
+    def check_collection(self, prefix: str = "") -> None:
+        """Raise ConfigError unless 0 < low < high <= 1 and the policy is one
+        the collector can run for this tier."""
+        check_watermarks(prefix, self.low_watermark, self.high_watermark)
+        check(self.eviction, self, f"{prefix}eviction")
 
 
 def due(policy: EvictionPolicy, interval_s: float, used: int, since_last: float) -> bool:

@@ -26,32 +26,29 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, ClassVar
 
-from kvtier.configfields import check_watermarks, opt
+from kvtier.configfields import opt
 from kvtier.concurrency.executor import MAINTENANCE
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import TierStats
-from kvtier.tiers.collector import Collector, GcResult, Trigger, plan
+from kvtier.tiers.collector import CollectedConfig, Collector, GcResult, Trigger, plan
 from kvtier.tiers.dir.journal import RemovalJournal
 from kvtier.tiers.dir.lease import DirLeases
 from kvtier.tiers.dir.fileread import OpenRead
 from kvtier.tiers.dir.layout import ObjectEntry
 from kvtier.tiers.dir.filetier import FileTier, FileTierConfig
 from kvtier.tiers.dir.stamps import LoadStamps
-from kvtier.tiers.eviction import check, make
+from kvtier.tiers.eviction import make
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class SharedConfig(FileTierConfig):
+class SharedConfig(CollectedConfig, FileTierConfig):
     # Many processes and nodes read the folder: recency is the objects'
     # stamps, which only a policy ranked by recency can use.
     stamped_recency: ClassVar[bool] = True
 
     name: str = opt("shared", "tier name in metrics and logs")
-    eviction: str = opt("watermark", "eviction policy of the collector: watermark or lru")
-    high_watermark: float = opt(0.95, "usage fraction of capacity that starts garbage collection")
-    low_watermark: float = opt(0.85, "usage fraction garbage collection brings usage down to")
     touch_interval_s: float = opt(60.0, "minimum seconds between two access stamps of one object", ge=0)
     gc_interval_s: float = opt(60.0, "seconds between automatic collection passes of this instance (0: never)", ge=0)
     tmp_max_age_s: float = opt(3600.0, "temp files older than this are another writer's leftovers", gt=0)
@@ -59,8 +56,7 @@ class SharedConfig(FileTierConfig):
 
     def validate(self, prefix: str = "") -> None:
         super().validate(prefix)
-        check_watermarks(prefix, self.low_watermark, self.high_watermark)
-        check(self.eviction, self, f"{prefix}eviction")
+        self.check_collection(prefix)
 
     def check_location(self, prefix: str = "") -> None:
         """Raise ConfigError unless the folder exists on this node (a mount

@@ -113,7 +113,7 @@ def test_read_path_configurations_read_the_shared_tier_their_way(tmp_path):
     with O_DIRECT from a thread per read, and through native AIO (the
     default, as kvtier-shared),
     cold like kvtier-shared, so that one run compares the read paths."""
-    from kvtier.bench import resume, workloads
+    from kvtier.bench import resume, resume_configs, workloads
     from kvtier.config import parse_tier
 
     cfg = resume.ResumeConfig(workdir=tmp_path, configs=("kvtier-shared", "kvtier-shared-buffered", "kvtier-shared-direct",
@@ -121,8 +121,8 @@ def test_read_path_configurations_read_the_shared_tier_their_way(tmp_path):
     work = workloads.w1(2, 512, 100)
     tiers = {}
     for name in cfg.configs + ("kvtier-shared-aio+mp",):
-        assert resume.valid_config(name)
-        spec = resume._spec(cfg, name, "512", work, tmp_path, 0, None)
+        assert resume_configs.valid_config(name)
+        spec = resume_configs.engine_spec(cfg, name, "512", work, tmp_path, 0, None)
         assert spec["cold"] == {"drop_page_cache": True}, name
         (tier,) = spec["kvtier"]["tiers"]
         parsed = parse_tier(tier, "tiers[0]").config  # what the engine's connector will build
@@ -136,19 +136,19 @@ def test_read_path_configurations_read_the_shared_tier_their_way(tmp_path):
     assert tiers["kvtier-shared-direct"] == {"kind": "shared", "o_direct": True, "aio": False, "adaptive_reads": False}
     assert (tiers["kvtier-shared-aio"] == tiers["kvtier-shared-aio+mp"]
             == {"kind": "shared", "o_direct": True, "aio": True, "adaptive_reads": False})
-    assert not resume.valid_config("kvtier-shared-turbo")
+    assert not resume_configs.valid_config("kvtier-shared-turbo")
 
 
 def test_the_4k_configuration_reads_the_default_path_into_buffers_on_small_pages(tmp_path):
     """kvtier-shared-4k is kvtier-shared with the store's huge_pages off,
     so that one run measures what huge-page read buffers change."""
-    from kvtier.bench import resume, workloads
+    from kvtier.bench import resume, resume_configs, workloads
     from kvtier.config import load_config
     from kvtier.integrations.vllm.settings import CONNECTOR_KEYS
 
     cfg = resume.ResumeConfig(workdir=tmp_path, configs=("kvtier-shared", "kvtier-shared-4k"))
     work = workloads.w1(2, 512, 100)
-    specs = {n: resume._spec(cfg, n, "512", work, tmp_path, 0, None) for n in cfg.configs}
+    specs = {n: resume_configs.engine_spec(cfg, n, "512", work, tmp_path, 0, None) for n in cfg.configs}
     # What the connector builds: its own keys apart, the rest a store config.
     built = {n: load_config(None, {k: v for k, v in s["kvtier"].items() if k not in CONNECTOR_KEYS}, environ={})
              for n, s in specs.items()}
@@ -160,13 +160,13 @@ def test_the_4k_configuration_reads_the_default_path_into_buffers_on_small_pages
 
 
 def test_the_w32_configuration_is_the_shared_tier_with_a_smaller_read_window(tmp_path):
-    from kvtier.bench import resume, workloads
+    from kvtier.bench import resume, resume_configs, workloads
     from kvtier.config import load_config
     from kvtier.integrations.vllm.settings import CONNECTOR_KEYS
 
     cfg = resume.ResumeConfig(workdir=tmp_path, configs=("kvtier-shared", "kvtier-shared-w32"))
     work = workloads.w1(2, 512, 100)
-    specs = {n: resume._spec(cfg, n, "512", work, tmp_path, 0, None) for n in cfg.configs}
+    specs = {n: resume_configs.engine_spec(cfg, n, "512", work, tmp_path, 0, None) for n in cfg.configs}
     tiers = {n: load_config(None, {k: v for k, v in s["kvtier"].items() if k not in CONNECTOR_KEYS},
                             environ={}).tiers[0].config for n, s in specs.items()}
     assert tiers["kvtier-shared"].read_window_bytes == 128 << 20

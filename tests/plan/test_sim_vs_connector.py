@@ -19,21 +19,17 @@ import pytest
 from kvtier.bench.models import ModelShape
 from kvtier.bench.workloads import hash_ids
 from kvtier.codec import encode
-from kvtier.config import parse_store_config
-from kvtier.engine.store import TieredStore
 from kvtier.keys import Namespace
 from kvtier.plan.cost import DEFAULT_IO
 from kvtier.plan.sim import PlanConfig, Simulator, TierPlan
 from kvtier.plan.traces import Request, to_units
+from tests.plan.tierpair import DISK, HIGH, LOW, MEM, SHARED, three_tier_store, tier_contents
 
 pytestmark = pytest.mark.slow
 
 BS, C = 4, 8  # engine block size, chunk tokens
 NS = Namespace("m", "fp", "float32", "test", 1, 1, 4, chunk_tokens=C)
 MODEL = ModelShape("t", 1, 1, 4, "float32")  # 32 bytes of KV per token, as the payloads below
-OBJ = 8192
-MEM, DISK, SHARED = 6 * OBJ, 11 * OBJ, 17 * OBJ
-HIGH, LOW = 0.9, 0.6
 
 
 @pytest.fixture
@@ -44,27 +40,8 @@ def pair(tmp_path):
     from kvtier.integrations.vllm.settings import Settings
     from kvtier.integrations.vllm.topology import Topology
 
-    (tmp_path / "shared").mkdir()  # a shared tier's folder must exist (a mount point)
-    specs = [
-        {"kind": "memory", "capacity": f"{MEM}B"},
-        {"kind": "disk", "capacity": f"{DISK}B", "path": str(tmp_path / "disk"), "io_threads": 1},
-        {"kind": "shared", "capacity": f"{SHARED}B", "path": str(tmp_path / "shared"), "io_threads": 1,
-         "gc_interval_s": 0, "touch_interval_s": 0, "high_watermark": HIGH, "low_watermark": LOW},
-    ]
-    cfg = parse_store_config({"tiers": specs, "chunk_tokens": C})
-    store = TieredStore(cfg)
-    shared_dir = store.tier("shared").dir
-    write = shared_dir.write
-
-    def stamped_exactly(obj, key, fsync):
-        # The kernel's coarse mtime clock may lag kvtier's exact access
-        # stamps by more than a tick (see test_models_vs_tiers): stamp new
-        # objects exactly, so recency is the policy's, not the clock's.
-        write(obj, key, fsync)
-        shared_dir.touch(key, time.time())
-
-    shared_dir.write = stamped_exactly
-    settings = Settings(cfg, NS, BS, 1, "float32", Topology(1, None))
+    store = three_tier_store(tmp_path, C)
+    settings = Settings(store.config, NS, BS, 1, "float32", Topology(1, None))
     # The scheduler looks up in the store this test's worker side fills.
     sched = KVTierScheduler(settings, GroupView(settings, stores=[store]), connector_metrics())
     tiers = (TierPlan("memory", MEM, DEFAULT_IO["memory"]), TierPlan("disk", DISK, DEFAULT_IO["disk"]),
@@ -138,10 +115,7 @@ def _serve(sched, store, rid: str, prompt: list[int], output: list[int]) -> dict
 
 
 def _contents(store):
-    mem = [int.from_bytes(d[:8], "little") for d in store.tier("memory")._entries]
-    disk = [int.from_bytes(d[:8], "little") for d in store.tier("disk")._index]
-    shared = {int.from_bytes(bytes.fromhex(e.key_hex)[:8], "little") for e in store.tier("shared").dir.scan()}
-    return len(mem), len(disk), len(shared)
+    return tuple(len(held) for held in tier_contents(store))
 
 
 def test_requests_through_the_simulator_and_the_connector_hit_the_same_tiers(pair):

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
-from kvtier.configfields import check_watermarks, opt, size_field
+from kvtier.configfields import opt, size_field
 from kvtier.errors import ConfigError
-from kvtier.tiers.eviction import check
+from kvtier.tiers.collector import CollectedConfig
 
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 _PREFIX = re.compile(r"^[A-Za-z0-9._\-/]{0,512}$")
@@ -26,7 +26,7 @@ def _secret(doc: str) -> Any:
 
 
 @dataclass(frozen=True)
-class S3Config:
+class S3Config(CollectedConfig):
     # Many processes and nodes read the prefix: recency is the objects'
     # LastModified (and this process's own reads), which only a policy
     # ranked by recency can use.
@@ -48,9 +48,6 @@ class S3Config:
     io_threads: int = opt(16, "threads (and connections) of this tier's I/O pool", ge=1)
     read_window_bytes: int = size_field(64 << 20, "bytes of GETs in flight per load")
     create_bucket: bool = opt(False, "create the bucket at start if it does not exist")
-    eviction: str = opt("watermark", "eviction policy of the collector: watermark or lru")
-    high_watermark: float = opt(0.95, "usage fraction of capacity that starts collection")
-    low_watermark: float = opt(0.85, "usage fraction collection brings usage down to")
     touch_interval_s: float = opt(600.0, "a hit refreshes an object's LastModified (self-copy) once it is older than this", ge=0)
     gc_interval_s: float = opt(300.0, "seconds between automatic collection passes of this instance (0: never)", ge=0)
     gc_lease_s: float = opt(600.0, "a collection pass holds a lease this long: no other instance collects meanwhile", gt=0)
@@ -101,5 +98,4 @@ class S3Config:
             )
         if self.gc_lease_s < 2:
             raise ConfigError(f"{prefix}gc_lease_s", "must be at least 2 seconds", "use e.g. 600")
-        check_watermarks(prefix, self.low_watermark, self.high_watermark)
-        check(self.eviction, self, f"{prefix}eviction")
+        self.check_collection(prefix)
