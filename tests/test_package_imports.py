@@ -35,7 +35,7 @@ The edges (``kvtier.`` left out; the layer-0 nodes import nothing of kvtier):
     integrations  -> codec, concurrency, config, engine, errors, keys, metrics, tiers
     admin         -> argtypes, auth, codec, config, errors, keys, progress, tiers
     bench         -> kvtier (its path), argtypes, auth, buffers, codec, config, engine, errors, keys,
-                     observe, progress, tiers, version
+                     observe, progress, routing, tiers, version
     serve         -> config, errors, integrations
     plan          -> argtypes, bench, config, errors, progress, tiers
     check         -> auth, codec, config, errors, integrations, serve, tiers, version
