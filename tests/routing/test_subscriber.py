@@ -75,7 +75,7 @@ def test_a_subscriber_that_falls_behind_counts_the_gaps_and_replay_fills_them(en
         with EventSubscriber(e.url, sink=sink, topic="kv", rcvhwm=1, replay_endpoint=e.replay_url) as sub:
             e.join(sub)
             big = list(range(40_000, 60_000))  # about 60 kB per batch
-            for _ in range(300):
+            for _ in range(1000):  # 60 MB: more than the socket buffers hold
                 e.publish(stored([1], None, big, size=len(big)))
             deadline = time.monotonic() + 60
             while e.publisher._event_queue.qsize() and time.monotonic() < deadline:  # vLLM's send queue
@@ -100,7 +100,9 @@ def test_a_restarted_engine_loses_its_gpu_blocks_but_not_its_tiers(engines):
         sub = er.subscribers[0]
         e.join(sub)
         e.send(sub, stored([1, 2], None, p[:32]), stored([1, 2], None, p[:32], medium="CPU", ownership="memory"))
-        e.send(sub, stored([1], None, p[:16]))  # a few more batches
+        for _ in range(200):  # the restarted engine's numbers stay below these for a while
+            e.publish()
+        e.send(sub, stored([1], None, p[:16]))
         assert er.index.predict(p)[0].by_class() == (32, 0, 0, 0)
         e.close()
         e2 = restarted(e.port)  # its sequence starts at 0 again
