@@ -19,7 +19,8 @@ releases), kvtier's tiers (``CPU`` for host memory, ``STORAGE`` for disk
 and shared tiers; ``REMOTE`` locality for a shared tier, ownership the
 tier's name). A block one instance reports ``REMOTE`` is readable by every
 instance that reads the same shared tier (``shared``: groups of instances,
-one group of all by default); every other holding only by its own instance.
+one group of all by default), and a ``REMOTE`` removal any of them reports
+removes it for all; every other holding belongs to its own instance.
 
 Only the prompt's own content and salt are matched: blocks published with
 other extra keys (a LoRA adapter's name, multimodal features) never match,
@@ -147,21 +148,21 @@ class PrefixIndex:
         """Apply one batch's events (vLLM's ``BlockStored``, ``BlockRemoved``,
         ``AllBlocksCleared``, by class name) reported by ``instance``."""
         with self._lock:
-            g = self._graphs[instance]
             for ev in events:
                 handler = _HANDLERS.get(type(ev).__name__)
                 if handler is None or (getattr(ev, "group_idx", None) or 0) != 0:
                     self.ignored[instance] += 1
-                elif not handler(self, g, ev):
+                elif not handler(self, instance, ev):
                     self.malformed[instance] += 1
 
     def clear_gpu(self, instance: int) -> None:
         """Forget ``instance``'s GPU holdings (its engine restarted or reset
         its prefix cache); what its tiers reported stays."""
         with self._lock:
-            self._cleared(self._graphs[instance], None)
+            self._cleared(instance, None)
 
-    def _stored(self, g: _Graph, ev: Any) -> bool:
+    def _stored(self, instance: int, ev: Any) -> bool:
+        g = self._graphs[instance]
         hashes = list(ev.block_hashes)
         n, tokens, size = len(hashes), list(ev.token_ids), int(ev.block_size)
         if n == 0:
@@ -185,19 +186,27 @@ class PrefixIndex:
             parent = h
         return True
 
-    def _removed(self, g: _Graph, ev: Any) -> bool:
+    def _removed(self, instance: int, ev: Any) -> bool:
+        """Drop the holdings the event names. A removal from a shared tier
+        (``REMOTE``) is gone for every instance that reads the tier: the
+        same block reported by them (by the same hash) loses it too."""
         medium = ev.medium or "GPU"
-        for h in ev.block_hashes:
-            node = g.nodes.get(h)
-            if node is None:
-                continue
-            node.holdings = {x for x in node.holdings
-                             if not (x.medium == medium and ev.locality in (None, x.locality)
-                                     and ev.ownership in (None, x.ownership))}
-            self._prune(g, h)
+        graphs = [self._graphs[instance]]
+        if ev.locality == "REMOTE":
+            graphs += [self._graphs[j] for j in sorted(self._readers[instance])]
+        for g in graphs:
+            for h in ev.block_hashes:
+                node = g.nodes.get(h)
+                if node is None:
+                    continue
+                node.holdings = {x for x in node.holdings
+                                 if not (x.medium == medium and ev.locality in (None, x.locality)
+                                         and ev.ownership in (None, x.ownership))}
+                self._prune(g, h)
         return True
 
-    def _cleared(self, g: _Graph, ev: Any) -> bool:
+    def _cleared(self, instance: int, ev: Any) -> bool:
+        g = self._graphs[instance]
         for node in g.nodes.values():
             node.holdings = {x for x in node.holdings if x.medium != "GPU"}
         for h in list(g.nodes):

@@ -98,6 +98,17 @@ def test_a_shared_tier_serves_every_instance_that_reads_it(cluster):
     assert hits(er, q) == [32, 0, 0]
 
 
+def test_a_block_gone_from_a_shared_tier_is_gone_for_every_reader(cluster):
+    """The shared tier's collector may run on any node: its removal is
+    reported by an instance other than the one that reported the store."""
+    es, er = cluster(3, shared=[{0, 1}, {2}])
+    p = prompt(1, 2)
+    send(es, er, 0, stored([1, 2], None, p[:32], **SHARED))
+    send(es, er, 2, stored([1, 2], None, p[:32], **SHARED))  # another tier of the same name, read by 2 only
+    send(es, er, 1, removed([2], **SHARED))
+    assert hits(er, p) == [16, 16, 32]
+
+
 def test_only_the_instances_of_a_tiers_group_read_it(cluster):
     es, er = cluster(3, shared=[{0, 1}])
     p = prompt(1, 2)
