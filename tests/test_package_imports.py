@@ -9,7 +9,7 @@ of X imports a module of Y, as ``test_imports.module_graph`` reads imports
 a lower layer, which rules out cycles by construction:
 
     0  version, errors, buffers, metrics, progress, concurrency, observe
-    1  kvtier, keys, auth, configfields
+    1  kvtier, keys, auth, configfields, routing
     2  codec
     3  tiers
     4  config
@@ -25,6 +25,7 @@ The edges (``kvtier.`` left out; the layer-0 nodes import nothing of kvtier):
     keys          -> version
     auth          -> errors
     configfields  -> errors
+    routing       -> errors
     codec         -> auth, buffers, errors, keys, version
     tiers         -> kvtier (_readloop), buffers, codec, concurrency, configfields, errors, keys, metrics,
                      observe
@@ -34,7 +35,7 @@ The edges (``kvtier.`` left out; the layer-0 nodes import nothing of kvtier):
     integrations  -> codec, concurrency, config, engine, errors, keys, metrics, tiers
     admin         -> argtypes, auth, codec, config, errors, keys, progress, tiers
     bench         -> kvtier (its path), argtypes, auth, buffers, codec, config, engine, errors, keys,
-                     observe, progress, tiers, version
+                     observe, progress, routing, tiers, version
     serve         -> config, errors, integrations
     plan          -> argtypes, bench, config, errors, progress, tiers
     check         -> auth, codec, config, errors, integrations, serve, tiers, version
@@ -54,7 +55,7 @@ from tests.test_imports import ROOT, cycles, module_graph
 
 LAYERS = (
     ("version", "errors", "buffers", "metrics", "progress", "concurrency", "observe"),
-    ("kvtier", "keys", "auth", "configfields"),
+    ("kvtier", "keys", "auth", "configfields", "routing"),
     ("codec",),
     ("tiers",),
     ("config",),

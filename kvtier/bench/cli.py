@@ -241,9 +241,15 @@ def _resume_parser(bsub) -> None:
                     "(see docs/cluster.md)")
     br.add_argument("--vocab", type=int, help="draw prompt token ids below this (default: the --model preset's "
                     "vocabulary; with --endpoint, the served model's)")
-    br.add_argument("--routing", choices=("workload", "random", "sticky"), default="workload",
+    br.add_argument("--routing", choices=("workload", "random", "sticky", "events"), default="workload",
                     help="with --endpoint: the workload's own placement (w3: random per request), random per "
-                    "request, or sticky per session (default workload)")
+                    "request, sticky per session, or events: where the servers' KV events predict the longest "
+                    "prefix hit (needs --events; default workload)")
+    br.add_argument("--events", type=lambda t: [u for u in t.split(",") if u], default=None,
+                    metavar="URL[,URL...]",
+                    help="with --routing events: each --endpoint's KV-event stream, in the same order, e.g. "
+                    "tcp://node1:5557,tcp://node2:5557; add ?replay=tcp://node1:5558 where the engine has a replay "
+                    "endpoint (the engines run with --kv-events-config; docs/cluster.md)")
     br.add_argument("--label", default="endpoint", help="with --endpoint: the configuration's name in the report")
     br.add_argument("--seed", type=int, default=0, help="seed of the workload's token ids, lengths, times and routing (default 0)")
     br.add_argument("--checkpoint", action="store_true", help="random-init checkpoint instead of dummy weights")
@@ -291,6 +297,7 @@ def cmd_bench_resume(args: argparse.Namespace) -> int:
     if args.workload == "w1" and levels and args.resumes > 1:
         raise ConfigError("--resumes", "a concurrency sweep resumes each level's sessions once per round",
                           "pass --rounds 2 for more samples")
+    routing = _routing(args)
     if args.rates and (args.workload != "w2" or args.endpoint):
         raise ConfigError("--rates", "arrival rates are swept for w2 run in-process only",
                           "pass --workload w2 without --endpoint, or drop --rates")
@@ -311,7 +318,7 @@ def cmd_bench_resume(args: argparse.Namespace) -> int:
         rates=args.rates or (), slo_s=args.slo if args.slo is not None else 2.0,
     )
     if args.endpoint:
-        summary = resume.run_endpoints(cfg, args.endpoint, args.routing, args.label,
+        summary = resume.run_endpoints(cfg, args.endpoint, routing, args.label,
                                        progress=progress.bars(not args.no_progress))
     else:
         summary = resume.run(cfg, progress=progress.bars(not args.no_progress))
@@ -324,6 +331,29 @@ def cmd_bench_resume(args: argparse.Namespace) -> int:
     print("\nwrote " + ", ".join(str(p) for p in paths) + f", {Path(args.dir) / 'report' / 'requests.jsonl'}")
     # A configuration that failed leaves the report partial: say so in the status.
     return 1 if summary.get("failed") else 0
+
+
+def _routing(args: argparse.Namespace) -> str:
+    """``--routing``, with ``--events`` as ``events=URL,...``."""
+    from kvtier.routing.subscriber import split_endpoint
+
+    if args.routing != "events":
+        if args.events:
+            raise ConfigError("--events", f"KV-event streams are read by --routing events, not {args.routing}",
+                              "pass --routing events, or drop --events")
+        return args.routing
+    if not args.endpoint:
+        raise ConfigError("--routing", "events routes requests among live servers",
+                          "pass --endpoint URL for each server, and --events with their KV-event streams")
+    if not args.events:
+        raise ConfigError("--events", "--routing events reads each server's KV-event stream",
+                          "pass --events tcp://node1:5557,tcp://node2:5557 (one per --endpoint, same order)")
+    if len(args.events) != len(args.endpoint):
+        raise ConfigError("--events", f"{len(args.events)} event streams for {len(args.endpoint)} --endpoint "
+                          "servers", "give one per --endpoint, in the same order")
+    for url in args.events:
+        split_endpoint(url, "--events")
+    return "events=" + ",".join(args.events)
 
 
 def _demo_parser(subparsers) -> None:

@@ -25,6 +25,16 @@ Routing (which server serves a request):
     random    uniformly at random per request (seeded)
     sticky    a session's first request picks a server at random (seeded);
               every later request of that session, in every phase, goes there
+    events=URL,URL,...
+              cache-aware: one KV-event stream per server, in the same order
+              (``tcp://node1:5557``, the engine's ``--kv-events-config``
+              endpoint); each request goes where the events predict the
+              longest prefix hit, in the fastest medium, on the least busy
+              server (``kvtier.routing``); needs vLLM's package on the client
+              for its event types. Each phase's server summary has
+              ``events``: batches and events received, sequence gaps and the
+              mean lag from the engine's timestamp to this client; the
+              result's ``events`` has the subscribers' totals.
 
 Each endpoint's ``/metrics`` is scraped before and after every phase, so a
 phase's hits are attributed per server and per tier: kvtier's
@@ -61,7 +71,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvtier.bench.driver import run_phase
 from kvtier.bench.workloads import Request, Workload
 
-ROUTINGS = ("workload", "random", "sticky")
+ROUTINGS = ("workload", "random", "sticky", "events")
 # Labels that only say which model/engine of a server a sample is from: summed over.
 _DROP_LABELS = ("engine", "model_name", "pid")
 # Counters the report reads per server and phase (deltas); all other counter
@@ -80,6 +90,21 @@ VLLM_COUNTERS = {
 
 class EndpointError(RuntimeError):
     """A server answered a request with an error, or could not be reached."""
+
+
+def parse_routing(routing: str, servers: int) -> tuple[str, list[str]]:
+    """``routing`` as (its name, the events endpoints): ``events=URL,URL``
+    names one KV-event endpoint per server; the other routings take none."""
+    name, eq, spec = routing.partition("=")
+    if name not in ROUTINGS:
+        raise ValueError(f"routing {routing!r}: use one of {', '.join(ROUTINGS)}")
+    events = [u for u in spec.split(",") if u] if eq else []
+    if name == "events" and len(events) != servers:
+        raise ValueError(f"routing {routing!r}: events=URL,... needs one KV-event endpoint per server "
+                         f"({servers}), in the servers' order")
+    if name != "events" and eq:
+        raise ValueError(f"routing {routing!r}: only events takes endpoints")
+    return name, events
 
 
 def _split(url: str) -> tuple[str, int, str]:
@@ -187,19 +212,20 @@ class EndpointBackend:
     the events those threads queued. A request that fails raises
     ``EndpointError`` from ``poll`` (on the driver's thread): a benchmark
     with failed requests has no meaning. ``served`` maps request id to the
-    index of the endpoint that served it. Close with ``close()`` (or ``with``).
+    index of the endpoint that served it. ``routing``: a name of
+    ``ROUTINGS``, ``events=URL,...`` with one KV-event endpoint per server.
+    Use it with ``with`` (or ``start()`` before the first ``send`` and
+    ``close()`` at the end): the events routing's subscribers run between.
     """
 
     def __init__(self, endpoints: list[str], models: list[str], routing: str = "workload", *, seed: int = 0,
                  timeout_s: float = 600.0, ignore_eos: bool = True, max_workers: int = 64,
                  detokenize: Callable[[tuple[int, ...]], str] | None = None):
-        if routing not in ROUTINGS:
-            raise ValueError(f"routing {routing!r}: use one of {', '.join(ROUTINGS)}")
         if not endpoints or len(models) != len(endpoints):
             raise ValueError("one model name per endpoint, at least one endpoint")
+        self.routing, events = parse_routing(routing, len(endpoints))
         self.endpoints = list(endpoints)
         self.models = list(models)
-        self.routing = routing
         self.timeout_s = timeout_s
         self.ignore_eos = ignore_eos
         self.detokenize = detokenize
@@ -209,9 +235,21 @@ class EndpointBackend:
         self._events: queue.Queue = queue.Queue()
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvtier-endpoint")
         self._closed = threading.Event()
+        self.kv_events = None  # the events routing: its subscribers run from start() to close()
+        if events:
+            from kvtier.routing.live import EventsRouting
+
+            self.kv_events = EventsRouting(events, seed=seed)
+
+    def start(self) -> None:
+        """Start the events routing's subscribers (``with`` does it)."""
+        if self.kv_events is not None:
+            self.kv_events.start()
 
     def route(self, request: Request) -> int:
         n = len(self.endpoints)
+        if self.kv_events is not None:
+            return self.kv_events.choose(request.tokens).instance
         if self.routing == "workload":
             return request.instance % n
         if self.routing == "random":
@@ -223,6 +261,8 @@ class EndpointBackend:
     def send(self, request: Request) -> None:
         k = self.route(request)
         self.served[request.id] = k
+        if self.kv_events is not None:
+            self.kv_events.begin(k)
         self._pool.submit(self._stream, request, k)
 
     def poll(self, timeout_s: float) -> list[tuple]:
@@ -241,8 +281,11 @@ class EndpointBackend:
     def close(self) -> None:
         self._closed.set()
         self._pool.shutdown(wait=True, cancel_futures=True)
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     def __enter__(self) -> EndpointBackend:
+        self.start()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -255,6 +298,9 @@ class EndpointBackend:
             self._events.put(self._do_stream(request, url, self.models[k]))
         except Exception as exc:  # reported to the driver's thread by poll()
             self._events.put(("error", request.id, time.perf_counter(), f"{request.id} on {url}: {exc}"))
+        finally:
+            if self.kv_events is not None:
+                self.kv_events.end(k)
 
     def _do_stream(self, request: Request, url: str, model: str) -> tuple:
         body = {
@@ -354,12 +400,14 @@ def run_workload(workload: Workload, endpoints: list[str], routing: str = "workl
          "phases": [{"name", "measured", "cold", "wall_s", "requests": n,
                      "servers": [{"endpoint", "requests", "metrics": {delta}, "summary": {...}}]}],
          "records": [driver records + "endpoint" (index) and "server" (URL)],
-         "notes": [...]}
+         "notes": [...], "events": [per server, with routing events=...]}
 
     ``summary`` per server and phase: ``kvtier_hit_tokens_by_tier`` (from
     ``kvtier_vllm_external_hit_tokens_total``), ``cached_by_source``,
     ``external_prefix_cache_hits``, ``prefix_cache_hits``, ``prompt_tokens``,
-    ``requests`` ... (deltas over the phase). ``progress(desc, total)``
+    ``requests`` ... (deltas over the phase), and with ``events=`` routing
+    ``events`` (``events_delta``). ``routing``: see the module docstring.
+    ``progress(desc, total)``
     returns a ``tick(n)`` called once per finished request, as in
     ``kvtier bench resume``. ``models``: the model name per endpoint (default:
     what each lists at ``/v1/models``). ``detokenize``: send text made from
@@ -382,6 +430,7 @@ def run_workload(workload: Workload, endpoints: list[str], routing: str = "workl
                          detokenize=detokenize) as be:
         for phase in workload.phases:
             before = [scrape(u) for u in endpoints]
+            events_before = be.kv_events.stats() if be.kv_events else None
             t0 = time.perf_counter()
 
             def done(rec: dict) -> None:
@@ -394,16 +443,36 @@ def run_workload(workload: Workload, endpoints: list[str], routing: str = "workl
             sent = [sum(1 for r in recs if r["endpoint"] == k) for k in range(len(endpoints))]
             after = _settle(endpoints, before, sent, settle_s)
             servers = []
+            events_after = be.kv_events.stats() if be.kv_events else None
             for k, url in enumerate(endpoints):
                 d = delta(before[k], after[k])
-                servers.append({"endpoint": url, "requests": sent[k], "metrics": d, "summary": summarise_delta(d)})
+                summary = summarise_delta(d)
+                if events_after:
+                    summary["events"] = events_delta(events_before[k], events_after[k])
+                servers.append({"endpoint": url, "requests": sent[k], "metrics": d, "summary": summary})
             phases.append({"name": phase.name, "measured": phase.measured, "cold": phase.cold, "wall_s": wall,
                            "requests": len(recs), "servers": servers})
             records.extend(recs)
-    return {"workload": workload.name, "description": workload.description, "params": workload.params,
-            "endpoints": list(endpoints), "routing": routing, "models": models,
-            "prompts": "text" if detokenize else "token ids",
-            "phases": phases, "records": records, "notes": notes}
+        events = be.kv_events.stats() if be.kv_events else None
+    out = {"workload": workload.name, "description": workload.description, "params": workload.params,
+           "endpoints": list(endpoints), "routing": routing, "models": models,
+           "prompts": "text" if detokenize else "token ids",
+           "phases": phases, "records": records, "notes": notes}
+    if events:
+        out["events"] = events
+    return out
+
+
+def events_delta(before: dict, after: dict) -> dict:
+    """What one server's KV-event stream delivered during a phase: batches
+    and events handed to the index, sequence numbers missed (at join and
+    in gaps, less those recovered by replay) and the mean lag of the live
+    batches."""
+    d = {k: after[k] - before[k] for k in ("batches", "events", "missed_at_join", "gaps", "recovered", "lag_s_sum")}
+    live = d["batches"] - d["recovered"]
+    return {"batches": d["batches"], "events": d["events"],
+            "missed": d["missed_at_join"] + d["gaps"] - d["recovered"],
+            "lag_s_mean": d["lag_s_sum"] / live if live > 0 else 0.0}
 
 
 def as_resume_run(result: dict, config: str = "endpoint", case: str = "", rnd: int = 0) -> dict:

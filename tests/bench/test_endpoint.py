@@ -277,3 +277,90 @@ def test_as_resume_run_sums_phases_and_servers_under_offline_names(servers):
     assert run["kvtier_metrics"]["kvtier_vllm_external_hit_tokens_total{tier=shared}"] == hits
     assert run["vllm_metrics"]["vllm:external_prefix_cache_hits"] == hits
     assert run["vllm_metrics"]["vllm:request_success{finished_reason=length}"] == 12
+
+
+# ------------------------------------------------------------------ events routing
+
+
+@pytest.fixture
+def kv_engines():
+    """``kv_engines(n)``: vLLM's own KV-event publishers with replay
+    endpoints (tests/routing/support.py), as engines run them."""
+    from tests.routing.support import Engine
+
+    made = []
+
+    def make(n: int):
+        made.extend(Engine(replay=True) for _ in range(n))
+        return made[-n:]
+
+    yield make
+    for e in made:
+        e.close()
+
+
+def test_events_routing_sends_each_request_where_the_longest_hit_is(servers, kv_engines):
+    from tests.routing.support import prompt, stored
+
+    urls = [s.url for s in servers(3)]
+    e0, e1, e2 = kv_engines(3)
+    p0, p1, p2 = prompt(1, 3), prompt(2, 2), prompt(3, 2)
+    e2.publish(stored([1, 2, 3], None, p0[:48]))
+    e1.publish(stored([9], None, p0[:16]),
+               stored([5, 6], None, p1[:32], medium="STORAGE", locality="LOCAL", ownership="disk"))
+    e0.publish(stored([7, 8], None, p1[:32], medium="CPU", locality="LOCAL", ownership="memory"))
+    time.sleep(0.5)  # published before the router exists: it learns them from the engines' replay buffers
+    reqs = tuple(Request(f"r{i}", i, 0, tuple(p), 1) for i, p in enumerate((p0, p1, p2)))
+    routing = "events=" + ",".join(e.spec for e in (e0, e1, e2))
+    out = endpoint.run_workload(Workload("E", "events", (Phase("p", reqs),)), urls, routing=routing, settle_s=2)
+
+    where = {r["id"]: r["endpoint"] for r in out["records"]}
+    assert where["r0"] == 2  # 48 tokens there, 16 on server 1
+    assert where["r1"] == 0  # 32 tokens in server 0's host memory, 32 on server 1's disk
+    assert out["routing"] == routing
+    assert [(s["batches"], s["events"], s["recovered"], s["gaps"]) for s in out["events"]] == \
+        [(1, 1, 1, 0), (1, 2, 1, 0), (1, 1, 1, 0)]
+    assert [s["events_endpoint"] for s in out["events"]] == [e0.url, e1.url, e2.url]
+    for srv in out["phases"][0]["servers"]:
+        assert srv["summary"]["events"] == {"batches": 0, "events": 0, "missed": 0, "lag_s_mean": 0.0}
+
+
+def test_a_phase_reports_the_events_its_servers_published(servers, kv_engines):
+    """Events published while a phase runs are counted in its summary."""
+    from tests.routing.support import prompt, stored
+
+    (url,) = [s.url for s in servers(1)]
+    (e,) = kv_engines(1)
+    be = endpoint.EndpointBackend([url], ["m"], routing=f"events={e.spec}")
+    with be:
+        e.join(be.kv_events.subscribers[0])
+        before = be.kv_events.stats()
+        e.send(be.kv_events.subscribers[0], stored([1], None, prompt(1, 1)[:16]))
+        d = endpoint.events_delta(before[0], be.kv_events.stats()[0])
+    assert d["batches"] == 1 and d["events"] == 1 and d["missed"] == 0 and 0 <= d["lag_s_mean"] < 5
+
+
+@pytest.mark.parametrize("routing, problem", [
+    ("events", "one KV-event endpoint per server"),
+    ("events=tcp://127.0.0.1:1", "one KV-event endpoint per server"),
+    ("sticky=tcp://127.0.0.1:1,tcp://127.0.0.1:2", "only events takes endpoints"),
+    ("nearest", "use one of"),
+])
+def test_a_bad_routing_is_named(routing, problem):
+    with pytest.raises(ValueError, match=problem):
+        endpoint.EndpointBackend(["http://a:1", "http://b:1"], ["m", "m"], routing=routing)
+
+
+@pytest.mark.parametrize("args, key", [
+    (["--routing", "events"], "--events"),
+    (["--routing", "sticky", "--events", "tcp://a:5557"], "--events"),
+    (["--routing", "events", "--events", "tcp://a:5557,tcp://b:5557,tcp://c:5557"], "--events"),
+    (["--routing", "events", "--events", "tcp://*:5557,tcp://b:5557"], "--events"),
+])
+def test_the_cli_refuses_events_routing_it_cannot_run(args, key, capsys, tmp_path):
+    from kvtier import cli
+
+    argv = ["bench", "resume", "--dir", str(tmp_path), "--endpoint", "http://a:8000", "--endpoint", "http://b:8000"]
+    assert cli.main(argv + args) == 2
+    err = capsys.readouterr().err
+    assert f"'{key}'" in err and "Fix:" in err and "Traceback" not in err
