@@ -49,7 +49,8 @@ P = {"A": toks(101, 1024), "B": toks(102, 1024), "S": toks(103, 600), "C": toks(
 P["A2"] = P["A"] + toks(105, 300)
 PHASES = [("A", None, False), ("B", None, False), ("S", "alice", False), ("C", None, False), ("A2", None, True)]
 # Then another process collects the whole shared tier (``kvtier store gc``),
-# and a phase long enough for the scheduler to read the removal journal.
+# and a phase long enough for the scheduler to read the removal journal
+# (C, 200 tokens, and 48 more: no chunk fills, so nothing new is stored).
 GC_WAIT_S = 6  # past the journal's read interval (events.JOURNAL_INTERVAL_S)
 
 
@@ -124,7 +125,7 @@ def _spec(tp: int, label: str):
             "phases": [{"name": name, "prompts": [{"tokens": P[name], "salt": salt}], "max_tokens": 2,
                         "flush": i > 0, "reset_prefix_cache": reset}
                        for i, (name, salt, reset) in enumerate(PHASES)] + [{
-                "name": "gc", "prompts": [{"tokens": P["C"], "salt": None}], "max_tokens": 64, "flush": True,
+                "name": "gc", "prompts": [{"tokens": P["C"], "salt": None}], "max_tokens": 48, "flush": True,
                 "command": [sys.executable, "-m", "kvtier.cli", "store", "gc", "--dir", str(shared),
                             "--capacity", "1KiB", "--yes"],
                 "sleep_s": GC_WAIT_S}],
@@ -239,5 +240,9 @@ def test_tier_events_name_vllms_blocks_and_predict_the_next_hit(runs, name):
 
     # Another process emptied the shared tier: its removal journal told
     # this engine, which took back every block it had published there.
-    assert collected == {h for ev in stored["shared"] for h in ev.block_hashes}
+    published = {h for ev in stored["shared"] for h in ev.block_hashes}
+    where = {h: next((n for n in P if v[1] in set(_blocks_of(P[n]))), "?") for h, v in gpu.items()}
+    assert collected == published, {
+        "not taken back": sorted(where.get(h, "?") for h in published - collected),
+        "taken back, never published": sorted(where.get(h, "?") for h in collected - published)}
     assert run.kvtier_metric("kvtier_vllm_kv_events_total", tier="shared", kind="stored") > 0
