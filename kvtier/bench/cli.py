@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from kvtier import argtypes, progress
-from kvtier.bench import client, soak
+from kvtier.bench import client, eventcost, soak
 from kvtier.errors import ConfigError
 
 
@@ -25,6 +25,7 @@ def register(subparsers) -> None:
     _resume_parser(bsub)
     _soak_parser(bsub)
     client.register(bsub)
+    eventcost.add_parser(bsub)
     _demo_parser(subparsers)
 
 
