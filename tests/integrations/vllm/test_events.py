@@ -33,6 +33,7 @@ from collections import defaultdict
 import pytest
 
 from kvtier.bench.tinymodels import PRESETS
+from kvtier.routing.index import PrefixIndex
 from tests.integrations.vllm.runs import Ctx, RunDef, runs_marker, start_runs
 
 VOCAB = PRESETS["tiny-llama"][6]
@@ -180,9 +181,7 @@ def test_tier_events_name_vllms_blocks_and_predict_the_next_hit(runs, name):
     stored = defaultdict(list)  # tier -> its BlockStored events, in order
     removed = defaultdict(set)  # tier -> hashes removed before the collection
     collected = set()  # shared-tier hashes removed after it
-    held = defaultdict(set)  # replay up to A2's phase: tier -> hashes held
     for _, batch in batches:
-        before_a2 = batch.ts < phases["A2"]["started"]
         for ev in batch.events:
             if isinstance(ev, BlockStored) and ev.ownership is None:
                 parent = ev.parent_block_hash
@@ -192,14 +191,10 @@ def test_tier_events_name_vllms_blocks_and_predict_the_next_hit(runs, name):
                     parent = h
             elif isinstance(ev, BlockStored):
                 stored[ev.ownership].append(ev)
-                if before_a2:
-                    held[ev.ownership].update(ev.block_hashes)
             elif isinstance(ev, BlockRemoved) and ev.ownership == "shared" and batch.ts >= phases["gc"]["started"]:
                 collected.update(ev.block_hashes)
             elif isinstance(ev, BlockRemoved) and ev.ownership is not None:
                 removed[ev.ownership].update(ev.block_hashes)
-                if before_a2:
-                    held[ev.ownership].difference_update(ev.block_hashes)
 
     # Every tier published every whole block of every prompt, in vLLM's own
     # terms: the GPU event of the same block has the same hash, parent,
@@ -226,17 +221,21 @@ def test_tier_events_name_vllms_blocks_and_predict_the_next_hit(runs, name):
     assert a_hashes and a_hashes <= removed["memory"]
     assert not removed["disk"] and not removed["shared"]
 
-    # A prefix index replayed from the events up to A2's phase predicts
-    # A2's hit: the longest run of its blocks some tier of kvtier holds.
-    by_tokens = {v[1]: h for h, v in gpu.items()}
-    predicted = 0
-    for blk in _blocks_of(P["A2"]):
-        h = by_tokens.get(blk)
-        if h is None or not any(h in held[t] for t in places):
-            break
-        predicted += BLOCK
+    # A router's prefix index (kvtier.routing), replayed from the events up
+    # to A2's phase, vLLM's own prefix cache then reset as the engine does
+    # it, predicts A2's hit: the blocks kvtier's tiers hold.
+    index = PrefixIndex(instances=1)
+    for _, batch in batches:
+        if batch.ts < phases["A2"]["started"]:
+            index.apply(0, batch.events)
+    index.clear_gpu(0)
+    (predicted,) = index.predict(P["A2"])
     hit = phases["A2"]["results"][0]["num_cached_tokens"]
-    assert predicted == hit == 1024, (predicted, hit)
+    assert predicted.tokens == hit == 1024, (predicted, hit)
+    # vLLM counted it as the connector's: every cached token after A2's reset was.
+    after_reset = hit + phases["gc"]["results"][0]["num_cached_tokens"]
+    assert run.vllm_metric("vllm:external_prefix_cache_hits") == after_reset
+    assert {s.holding.ownership for s in predicted.segments} <= {"disk", "shared"}  # memory: evicted
 
     # Another process emptied the shared tier: its removal journal told
     # this engine, which took back every block it had published there.
