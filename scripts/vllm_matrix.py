@@ -31,6 +31,8 @@ DEFAULT_TESTS = (
     "tests/integrations/vllm/test_layout.py",
     "tests/integrations/vllm/test_scheduler.py",
     "tests/integrations/vllm/test_worker.py",
+    "tests/integrations/vllm/test_events.py",
+    "tests/integrations/vllm/test_events_units.py",
 )
 CUDA_EXTRAS = ("torchvision", "torchaudio", "torchcodec", "triton")
 

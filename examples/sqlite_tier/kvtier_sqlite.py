@@ -172,7 +172,7 @@ class SqliteTier(Tier):
         if size > self.capacity:
             return False, "capacity"
         t0 = time.perf_counter()
-        evicted = 0
+        evicted: list[bytes] = []
         with self._lock:
             try:
                 self._seq += 1
@@ -183,7 +183,7 @@ class SqliteTier(Tier):
                     victim = self._db.execute("SELECT digest, size FROM objects ORDER BY seq LIMIT 1").fetchone()
                     self._db.execute("DELETE FROM objects WHERE digest = ?", (victim[0],))
                     self._used -= victim[1]
-                    evicted += 1
+                    evicted.append(bytes(victim[0]))
                 self._db.execute("INSERT INTO objects (digest, data, size, seq) VALUES (?, ?, ?, ?)",
                                  (digest, obj.buf, size, self._seq))
                 self._used += size
@@ -193,8 +193,9 @@ class SqliteTier(Tier):
             finally:
                 used = self._used
                 if evicted:
-                    self.metrics.evicted(evicted)
+                    self.metrics.evicted(len(evicted))
                 self.metrics.used(used)
+        self._removed(evicted)  # tell a listener (KV events), outside the lock
         self.metrics.wrote(size)
         self.metrics.observe("write", time.perf_counter() - t0)
         return True, ""
@@ -203,19 +204,20 @@ class SqliteTier(Tier):
         return self._remove(keys)
 
     def _remove(self, keys: Sequence[ChunkKey]) -> int:
-        n = 0
+        gone = []
         with self._lock:
             try:
                 for k in keys:
                     row = self._db.execute("DELETE FROM objects WHERE digest = ? RETURNING size", (k.digest,)).fetchone()
                     if row is not None:
                         self._used -= row[0]
-                        n += 1
+                        gone.append(k.digest)
             except sqlite3.Error as exc:
                 self._trouble("delete", exc)
             used = self._used
         self.metrics.used(used)
-        return n
+        self._removed(gone)
+        return len(gone)
 
     def stats(self) -> TierStats:
         with self._lock:

@@ -111,6 +111,20 @@ class Tier(abc.ABC):
         if listener is not None and digests:
             listener(self.name, list(digests))
 
+    def _removed_names(self, names: Sequence[str | bytes]) -> None:
+        """``_removed`` for objects named by a name that ends in their
+        digest's 64 hex digits (Redis keys, S3 object names)."""
+        if self.on_removed is None:
+            return
+        digests = []
+        for n in names:
+            tail = (n.decode("ascii", "replace") if isinstance(n, bytes) else n)[-64:]
+            try:
+                digests.append(bytes.fromhex(tail))
+            except ValueError:
+                continue  # not an object name of kvtier's
+        self._removed(digests)
+
     @abc.abstractmethod
     def lookup(self, keys: Sequence[ChunkKey], timeout: float | None = None) -> int: ...
 

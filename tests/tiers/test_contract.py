@@ -194,6 +194,27 @@ def test_delete(tier):
     assert consume(tier, c.keys) == 0
 
 
+class Heard:
+    """A tier's removal listener (``Tier.on_removed``)."""
+
+    def __init__(self, tier: Tier):
+        self.digests: set[bytes] = set()
+        self.names: set[str] = set()
+        tier.on_removed = self
+
+    def __call__(self, name: str, digests: list[bytes]) -> None:
+        self.names.add(name)
+        self.digests.update(digests)
+
+
+def test_a_listener_hears_what_delete_removed(tier):
+    heard = Heard(tier)
+    c = make_chunks(4)
+    tier.store(c.objs)
+    tier.delete(c.keys[1:3])
+    assert heard.digests == {k.digest for k in c.keys[1:3]} and heard.names == {tier.name}
+
+
 def test_stats_follow_operations(tier, harness):
     s = tier.stats()
     assert (s.name, s.kind, s.objects, s.used_bytes, s.capacity_bytes) == (harness.name, harness.tier_kind, 0, 0, CAP)
@@ -225,6 +246,7 @@ def test_hit_and_miss_metrics_count_what_was_served(tier, harness):
 def test_capacity_is_never_exceeded_and_lru_keeps_the_most_recent(harness):
     cap = 4 * OBJ
     tier = harness.open(cap)
+    heard = Heard(tier)
     c = make_chunks(10)
     for obj in c.objs:
         tier.store([obj])
@@ -234,6 +256,7 @@ def test_capacity_is_never_exceeded_and_lru_keeps_the_most_recent(harness):
     kept = present(tier, c.keys)
     assert kept, "the most recent object was evicted"
     assert kept == list(range(10 - len(kept), 10)), "eviction did not follow recency"
+    assert heard.digests == {k.digest for i, k in enumerate(c.keys) if i not in kept}, "a listener missed evictions"
     assert tier.stats().objects == len(kept)
     assert tier.stats().used_bytes == len(kept) * OBJ
 

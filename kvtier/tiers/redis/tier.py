@@ -227,6 +227,7 @@ class RedisTier(PooledTier):
             self.metrics.corrupt()
             # Its index entry stays and ages out like any stale name (see above).
             self._redis().delete(name)
+            self._removed([key.digest])
             return None
         self._bytes_per_token = max(1, n // max(1, key.num_tokens))
         self.metrics.observe("read", time.perf_counter() - t0)
@@ -299,6 +300,7 @@ class RedisTier(PooledTier):
         if victims:
             pipe.execute()
             self.metrics.evicted(len(victims))
+            self._removed_names(victims)
         ttl_ms = int(self.config.ttl_s * 1000) if self.config.ttl_s else None
         wrote: list[ChunkObject] = []
         for name, obj, there in zip(names[:admitted], objs[:admitted], exists[:admitted]):
@@ -356,7 +358,9 @@ class RedisTier(PooledTier):
         pipe = client.pipeline(transaction=False)
         for name in names:
             pipe.delete(name)
-        return sum(int(x) for x in pipe.execute())
+        n = sum(int(x) for x in pipe.execute())
+        self._removed_names(names)  # none of them is in the tier now
+        return n
 
     def stats(self) -> TierStats:
         """Usage of the whole prefix (every instance's objects), from the

@@ -49,6 +49,7 @@ class S3Collection:
         self._client().delete_object(Bucket=self.bucket, Key=entry[0])
         with self._lock:
             self._access.pop(entry[0], None)
+        self._removed_names([entry[0]])
         return True
 
     def _gc_finish(self, dry_run: bool):

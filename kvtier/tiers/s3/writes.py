@@ -173,6 +173,7 @@ class S3Writes:
             return 0
         with self._lock:
             self._access.pop(name, None)
+        self._removed_names([name])
         return head[0]
 
     def _forget_bytes(self, n: int, freed: int) -> None:
