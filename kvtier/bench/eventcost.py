@@ -24,6 +24,7 @@ import shutil
 import time
 from pathlib import Path
 
+from kvtier.errors import ConfigError
 from kvtier.progress import Progress, bars
 
 BLOCK = 16  # tokens per vLLM block here (its GPU default)
@@ -48,8 +49,8 @@ def add_parser(bsub) -> None:
 
 def cmd(args: argparse.Namespace) -> int:
     if args.objects < 10:
-        print("kvtier bench events: --objects must be at least 10")
-        return 2
+        raise ConfigError("--objects", f"{args.objects} objects leave a collection pass nothing to delete",
+                          "give at least 10, e.g. --objects 100000")
     report = run(Path(args.dir), args.objects, args.gc_interval, bars(not args.no_progress))
     print(format_report(report))
     if args.json:

@@ -23,4 +23,4 @@ def test_bench_events_reports_a_pass_its_journal_and_the_events_it_retracts(tmp_
 def test_bench_events_refuses_a_store_too_small_to_collect(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "events", "--objects", "3", "--dir",
                            str(tmp_path / "w")], capture_output=True, text=True)
-    assert proc.returncode == 2 and "--objects" in proc.stdout
+    assert proc.returncode == 2 and "--objects" in proc.stderr and "Traceback" not in proc.stderr
