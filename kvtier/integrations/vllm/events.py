@@ -286,12 +286,13 @@ def chunk_blocks(request, start: int, n: int, block_size: int) -> Blocks | None:
 
 
 def _event_extra_keys(keys: list) -> list | None:
-    """vLLM's published form of per-block extra keys (0.31+ tags them
-    internally and untags them for events; 0.30 keeps them untagged)."""
+    """vLLM's published form of per-block extra keys, as its own events
+    have them: 0.31+ tags them internally and untags them for events
+    (``to_event_extra_keys``); 0.30 publishes them as they are."""
     try:
         from vllm.v1.core.kv_cache_utils import to_event_extra_keys
     except ImportError:
-        return keys if any(k is not None for k in keys) else None
+        return keys or None
     return to_event_extra_keys(keys)
 
 
