@@ -45,6 +45,8 @@ REQUEST = "vllm/v1/request.py"
 KV_TRANSFER = "vllm/config/kv_transfer.py"
 LAYOUT = "vllm/v1/kv_cache_layout.py"
 INTERFACE = "vllm/v1/kv_cache_interface.py"
+KV_EVENTS = "vllm/distributed/kv_events.py"
+KV_UTILS = "vllm/v1/core/kv_cache_utils.py"
 OURS = ROOT / "kvtier" / "integrations" / "vllm" / "connector.py"
 
 failures: list[str] = []
@@ -113,6 +115,14 @@ def check_api(src) -> None:
         check(f"{field}:" in outputs, f"KVConnectorOutput.{field}")
     check("self.skip_reading_prefix_cache" in src(REQUEST), "Request.skip_reading_prefix_cache")
     check("kv_load_failure_policy" in src(KV_TRANSFER), "KVTransferConfig.kv_load_failure_policy")
+    # KV events (kvtier/integrations/vllm/events.py): the event types' fields and the helpers it calls.
+    events = src(KV_EVENTS)
+    for field in ("block_hashes:", "parent_block_hash:", "token_ids:", "block_size:", "medium:", "extra_keys:",
+                  "locality:", "ownership:"):
+        check(field in events, f"kv_events: BlockStored/BlockRemoved field {field[:-1]}")
+    utils = src(KV_UTILS)
+    for fn in ("maybe_convert_block_hash", "generate_block_hash_extra_keys", "to_event_extra_keys"):
+        check(f"def {fn}(" in utils, f"kv_cache_utils.{fn}")
 
 
 def load_view_code(src) -> dict:
