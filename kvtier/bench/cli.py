@@ -151,7 +151,9 @@ def _resume_parser(bsub) -> None:
             "      --rate, --concurrency); with --rates R1,R2,... and --slo: goodput and knee per\n"
             "      configuration at a TTFT SLO over arrival rates (report/goodput.*)\n"
             "  w3  multi-instance: w1 over --instances engines with random routing; each instance with its\n"
-            "      own local disk tier vs all sharing the shared tier\n"
+            "      own local disk tier vs all sharing the shared tier; with --routing random,sticky,events\n"
+            "      the run starts --instances `kvtier serve` servers per routing instead (one shared tier,\n"
+            "      emptied first, a KV-event stream each) and reports one row per routing\n"
             "  w0  zero hits: distinct prompts only; kvtier's overhead against no connector\n\n"
             "configurations:\n"
             "  recompute, prefix-cache      no connector (vLLM's prefix cache off / on)\n"
@@ -242,10 +244,16 @@ def _resume_parser(bsub) -> None:
                     "(see docs/cluster.md)")
     br.add_argument("--vocab", type=int, help="draw prompt token ids below this (default: the --model preset's "
                     "vocabulary; with --endpoint, the served model's)")
-    br.add_argument("--routing", choices=("workload", "random", "sticky", "events"), default="workload",
-                    help="with --endpoint: the workload's own placement (w3: random per request), random per "
-                    "request, sticky per session, or events: where the servers' KV events predict the longest "
-                    "prefix hit (needs --events; default workload)")
+    br.add_argument("--routing", type=lambda t: tuple(r for r in t.split(",") if r), default=("workload",),
+                    metavar="R[,R...]",
+                    help="which server serves each request: workload (default: the workload's own placement, w3's "
+                    "random per request, in-process engines), random per request, sticky per session, or events: "
+                    "where the servers' KV events predict the longest prefix hit. With --endpoint one of them "
+                    "(events needs --events). For w3 without --endpoint, a list of random, sticky, events: the "
+                    "benchmark starts --instances `kvtier serve` servers on this host per routing (sharing one "
+                    "shared-tier folder, emptied first; each with its own port and KV-event stream; the "
+                    "configuration is the first of --configs, default kvtier-shared), runs the workload through "
+                    "each routing in turn and reports one row per routing")
     br.add_argument("--events", type=lambda t: [u for u in t.split(",") if u], default=None,
                     metavar="URL[,URL...]",
                     help="with --routing events: each --endpoint's KV-event stream, in the same order, e.g. "
@@ -321,9 +329,15 @@ def cmd_bench_resume(args: argparse.Namespace) -> int:
     if args.endpoint:
         summary = resume.run_endpoints(cfg, args.endpoint, routing, args.label,
                                        progress=progress.bars(not args.no_progress))
+    elif routing != "workload":
+        from kvtier.bench import routed
+
+        summary = routed.run_routed(cfg, routing.split(","), progress=progress.bars(not args.no_progress))
     else:
         summary = resume.run(cfg, progress=progress.bars(not args.no_progress))
     report = {"sweep": sweep, "goodput": goodput}.get(summary.get("kind"), resume_report)
+    if summary.get("kind") == "routed":
+        from kvtier.bench import routed as report
     print(report.format_table(summary))
     paths = report.write_report(summary, Path(args.dir) / "report")
     if args.json:
@@ -335,17 +349,43 @@ def cmd_bench_resume(args: argparse.Namespace) -> int:
 
 
 def _routing(args: argparse.Namespace) -> str:
-    """``--routing``, with ``--events`` as ``events=URL,...``."""
+    """``--routing``: with ``--endpoint`` one name, ``events`` with
+    ``--events`` as ``events=URL,...``; for w3 without ``--endpoint`` the
+    list of routings to run on servers the benchmark starts, comma-joined."""
+    from kvtier.bench.endpoint import ROUTINGS
+    from kvtier.bench.routed import ROUTINGS as STARTED
     from kvtier.routing.subscriber import split_endpoint
 
-    if args.routing != "events":
+    names = args.routing
+    unknown = [r for r in names if r not in ROUTINGS]
+    if unknown or not names or len(set(names)) != len(names):
+        raise ConfigError("--routing", f"{','.join(names) or 'nothing'}: "
+                          + (f"unknown routing {unknown[0]!r}" if unknown else "each routing once"),
+                          f"use some of: {', '.join(ROUTINGS)}")
+    if not args.endpoint and names != ("workload",):
         if args.events:
-            raise ConfigError("--events", f"KV-event streams are read by --routing events, not {args.routing}",
+            raise ConfigError("--events", "the benchmark reads the KV-event streams of the servers it starts",
+                              "drop --events (it goes with --endpoint)")
+        if args.workload != "w3":
+            raise ConfigError("--routing", f"without --endpoint, {args.workload} runs in-process engines, whose "
+                              "placement is the workload's", "pass --workload w3 (which starts servers for "
+                              "random, sticky and events), or --endpoint URL for each live server")
+        if "workload" in names:
+            raise ConfigError("--routing", "workload runs in-process engines; random, sticky and events run on "
+                              "servers the benchmark starts", f"pass workload alone, or some of {','.join(STARTED)}")
+        if len(args.configs) > 1:
+            raise ConfigError("--configs", "routings are compared on servers of one configuration",
+                              "name one, e.g. --configs kvtier-shared (the default)")
+        return ",".join(names)
+    if len(names) > 1:
+        raise ConfigError("--routing", "one routing per run against --endpoint servers",
+                          f"pass one of {', '.join(ROUTINGS)}")
+    (name,) = names
+    if name != "events":
+        if args.events:
+            raise ConfigError("--events", f"KV-event streams are read by --routing events, not {name}",
                               "pass --routing events, or drop --events")
-        return args.routing
-    if not args.endpoint:
-        raise ConfigError("--routing", "events routes requests among live servers",
-                          "pass --endpoint URL for each server, and --events with their KV-event streams")
+        return name
     if not args.events:
         raise ConfigError("--events", "--routing events reads each server's KV-event stream",
                           "pass --events tcp://node1:5557,tcp://node2:5557 (one per --endpoint, same order)")

@@ -392,7 +392,8 @@ def run_workload(workload: Workload, endpoints: list[str], routing: str = "workl
                  progress: Callable[[str, int], Callable[[int], None]] | None = None, *,
                  models: list[str] | None = None, seed: int = 0, timeout_s: float = 600.0,
                  ignore_eos: bool = True, block_tokens: int = 256, settle_s: float = 10.0,
-                 detokenize: Callable[[tuple[int, ...]], str] | None = None) -> dict:
+                 detokenize: Callable[[tuple[int, ...]], str] | None = None,
+                 before_cold: Callable[[], str] | None = None) -> dict:
     """Run ``workload``'s phases in order against ``endpoints`` (base URLs,
     e.g. ``http://10.0.0.1:8000``) and return::
 
@@ -412,6 +413,11 @@ def run_workload(workload: Workload, endpoints: list[str], routing: str = "workl
     ``kvtier bench resume``. ``models``: the model name per endpoint (default:
     what each lists at ``/v1/models``). ``detokenize``: send text made from
     the token ids instead of the ids (see the module docstring).
+    ``before_cold``: called before each cold phase, once the phase before
+    settled, by a caller that can make the phase colder on the servers'
+    host (drop a shared folder's files from the page cache); it returns the
+    note that says what it did, in place of the note that cold phases run
+    warm.
     """
     if not endpoints:
         raise ValueError("no endpoint given")
@@ -420,7 +426,7 @@ def run_workload(workload: Workload, endpoints: list[str], routing: str = "workl
     if routing == "workload" and workload.instances > len(endpoints):
         notes.append(f"the workload places requests on {workload.instances} instances but {len(endpoints)} "
                      f"endpoints were given: instance i goes to endpoint i mod {len(endpoints)}")
-    if any(p.cold for p in workload.phases):
+    if any(p.cold for p in workload.phases) and before_cold is None:
         notes.append("cold phases run warm here: a live run cannot drop the servers' memory tiers or page "
                      "cache; run the servers without a memory tier to measure loads from the shared tier")
     tick = (progress or (lambda d, t: (lambda n: None)))(
@@ -429,6 +435,10 @@ def run_workload(workload: Workload, endpoints: list[str], routing: str = "workl
     with EndpointBackend(endpoints, models, routing, seed=seed, timeout_s=timeout_s, ignore_eos=ignore_eos,
                          detokenize=detokenize) as be:
         for phase in workload.phases:
+            if phase.cold and before_cold is not None:
+                note = before_cold()
+                if note not in notes:
+                    notes.append(note)
             before = [scrape(u) for u in endpoints]
             events_before = be.kv_events.stats() if be.kv_events else None
             t0 = time.perf_counter()

@@ -71,13 +71,7 @@ def cases(cfg: ResumeConfig) -> list[tuple[str, wl.Workload]]:
 def run(cfg: ResumeConfig, progress: Callable[[str, int], Callable[[int], None]] | None = None, log=print) -> dict:
     cfg.workdir.mkdir(parents=True, exist_ok=True)
     todo = cases(cfg)
-    max_len = max(longest_request(w) for _, w in todo) + 2 * BLOCK
-    if cfg.dummy_weights:
-        dtype = resolve_dtype(cfg.dtype)
-        model_dir = build_config_only(cfg.model, cfg.workdir / "models" / f"{cfg.model}-{dtype}", max_len=max_len,
-                                      dtype=dtype)
-    else:
-        model_dir = build_checkpoint(cfg.model, cfg.workdir / "models" / f"{cfg.model}-ckpt", max_len=max_len)
+    model_dir = build_model(cfg, todo)
     missing = unavailable_peers()
     device: dict = {}
     if cfg.sweep:
@@ -128,6 +122,17 @@ def run(cfg: ResumeConfig, progress: Callable[[str, int], Callable[[int], None]]
     summary["failed"] = failed
     _write_requests(cfg.workdir / "report" / "requests.jsonl", cfg, runs)
     return summary
+
+
+def build_model(cfg: ResumeConfig, todo: list[tuple[str, wl.Workload]]) -> Path:
+    """The model directory the engines load: its config only (dummy
+    weights) or a random-init checkpoint, long enough for every request."""
+    max_len = max(longest_request(w) for _, w in todo) + 2 * BLOCK
+    if cfg.dummy_weights:
+        dtype = resolve_dtype(cfg.dtype)
+        return build_config_only(cfg.model, cfg.workdir / "models" / f"{cfg.model}-{dtype}", max_len=max_len,
+                                 dtype=dtype)
+    return build_checkpoint(cfg.model, cfg.workdir / "models" / f"{cfg.model}-ckpt", max_len=max_len)
 
 
 def round_order(names: tuple[str, ...], rnd: int, workload: str) -> tuple[str, ...]:

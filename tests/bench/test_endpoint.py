@@ -175,6 +175,21 @@ def test_w3_routes_by_instance_and_attributes_hits_per_server(servers):
     assert any("cold" in n for n in out["notes"])
 
 
+def test_before_cold_runs_before_each_cold_phase_and_says_what_it_did(servers):
+    a, b = servers(2)
+    wl = w3(sessions=2, context=200, vocab=500, instances=2, seed=1, resumes=2)
+    seen = []
+
+    def cold() -> str:
+        seen.append(sum(len(s.bodies) for s in (a, b)))  # the requests served before it ran
+        return "dropped"
+
+    out = endpoint.run_workload(wl, [a.url, b.url], routing="random", before_cold=cold, settle_s=2)
+    assert [p["name"] for p in out["phases"]] == ["warm", "resume", "resume-2"]
+    assert seen == [2, 4]
+    assert out["notes"] == ["dropped"]
+
+
 def test_sticky_keeps_sessions_and_random_spreads_them(servers):
     a, b, c = servers(3)
     wl = w3(sessions=12, context=200, vocab=500, instances=3, seed=1)

@@ -105,6 +105,38 @@ def test_bench_resume_w3_routes_and_shares(tmp_path):
     assert s["instances"] == 2 and "w3_throughput_gain" in s["ratios"]["512"]
 
 
+@pytest.mark.slow
+def test_bench_resume_w3_routed_on_servers_it_starts(tmp_path):
+    """--routing random,sticky,events: two `kvtier serve` servers per
+    routing, each routing from an empty shared tier; the events routing
+    reads the servers' KV events, and every return is served by an instance
+    that holds its prefix."""
+    run = _run(tmp_path, "w3r", "--workload", "w3", "--instances", "2", "--contexts", "512", "--sessions", "2",
+               "--routing", "random,sticky,events")
+    s = run["summary"]
+    assert s["kind"] == "routed" and s["config"] == "kvtier-shared" and not s["failed"]
+    by = s["results"]["512"]
+    assert list(by) == ["random", "sticky", "events"]
+    for routing, v in by.items():
+        assert v["requests"] == 4 and 0 < v["ttft_p50_s"] <= v["ttft_p95_s"] and v["throughput_rps"] > 0, routing
+        assert v["resumes"] == 2 and sum(v["hit_tokens"].values()) == v["vllm_external_prefix_cache_hits"]
+    reqs = run["requests"]
+    assert {r["config"] for r in reqs} == set(by) and len(reqs) == 12
+    # Nothing an earlier routing stored serves a later one's first requests.
+    assert all(r["cached_tokens"] == 0 for r in reqs if r["phase"] == "warm")
+    # Each return lands where its prefix is: whole blocks of 512 cached, one
+    # token left to compute. The warm-ups went one to each server (the least
+    # busy), whose KV still holds it: the events put each return there.
+    returns = [r for r in reqs if r["config"] == "events" and r["phase"] == "resume"]
+    assert len(returns) == 2 and all(r["cached_tokens"] == 384 for r in returns)
+    assert len({r["endpoint"] for r in reqs if r["config"] == "events" and r["phase"] == "warm"}) == 2
+    assert by["events"]["resumes_on_warm_instance"] == 2
+    # The router heard every server's stream.
+    assert all(e["events"] > 0 and e["blocks"] > 0 for e in s["events"]["512"]["events"])
+    summary_md = (tmp_path / "w3r" / "report" / "summary.md").read_text()
+    assert all(f"512 {r:<8}" in summary_md for r in by)
+
+
 def test_bench_resume_w2_and_w0(tmp_path):
     run = _run(tmp_path, "w2", "--workload", "w2", "--sessions", "3", "--turns", "2,2", "--system-tokens", "256",
                "--user-tokens", "64,128", "--answer-tokens", "4,8", "--think", "0.2", "--rate", "4",
