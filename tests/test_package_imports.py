@@ -14,10 +14,11 @@ a lower layer, which rules out cycles by construction:
     3  tiers
     4  config
     5  argtypes, engine
-    6  integrations, admin, bench
-    7  serve, plan
-    8  check
-    9  cli
+    6  integrations, admin
+    7  bench, serve
+    8  plan
+    9  check
+    10 cli
 
 The edges (``kvtier.`` left out; the layer-0 nodes import nothing of kvtier):
 
@@ -34,8 +35,8 @@ The edges (``kvtier.`` left out; the layer-0 nodes import nothing of kvtier):
     engine        -> auth, buffers, codec, concurrency, config, errors, keys, metrics, tiers
     integrations  -> codec, concurrency, config, engine, errors, keys, metrics, tiers
     admin         -> argtypes, auth, codec, config, errors, keys, progress, tiers
-    bench         -> kvtier (its path), argtypes, auth, buffers, codec, config, engine, errors, keys,
-                     observe, progress, routing, tiers, version
+    bench         -> kvtier (its path), argtypes, auth, buffers, codec, config, engine, errors,
+                     integrations, keys, observe, progress, routing, tiers, version
     serve         -> config, errors, integrations
     plan          -> argtypes, bench, config, errors, progress, tiers
     check         -> auth, codec, config, errors, integrations, serve, tiers, version
@@ -60,8 +61,9 @@ LAYERS = (
     ("tiers",),
     ("config",),
     ("argtypes", "engine"),
-    ("integrations", "admin", "bench"),
-    ("serve", "plan"),
+    ("integrations", "admin"),
+    ("bench", "serve"),
+    ("plan",),
     ("check",),
     ("cli",),
 )
