@@ -9,11 +9,10 @@ Per request, in the order the vLLM connector does it
    prompt's whole blocks (full chunks, the last one shorter), tier by tier,
    fastest first, the longest contiguous prefix; where full chunks stop, a
    shorter chunk (whole blocks) an earlier, shorter prompt stored may serve.
-3. A hit outside the memory tier starts a prefetch of the hit chunks outside
-   memory that end past the engine's own hit: lower tiers are read (disk
-   reads refresh their LRU position, shared reads their stamp) and what they
-   return is promoted into memory. The load then reads
-   the chunks beyond the engine's own hit (from memory now).
+3. The load reads the hit chunks that end past the engine's own hit: those
+   in lower tiers are read there (disk reads refresh their LRU position,
+   shared reads their stamp) and promoted into memory as the connector's
+   loader hands them over; those in memory are copied from it.
 4. Saves: every full chunk past kvtier's hit, the prompt's whole-block tail
    at the end of prefill, then full chunks as decoding fills them. A save
    stores into memory and writes through to every lower tier.
@@ -266,7 +265,7 @@ class Simulator:
             self.recorder.query("engine", inst.idx, units[:usable_blocks], bs, self.now)
         computed = local_blocks * bs
 
-        # 2.-3. kvtier lookup, prefetch, load
+        # 2.-3. kvtier lookup and load
         tier_tokens: dict[str, int] = {}
         load_s = 0.0
         saved_upto = 0
@@ -303,7 +302,7 @@ class Simulator:
             saved_upto = sum(1 for _, nt in hit_keys if nt == cfg.chunk_tokens) * cfg.chunk_tokens
             read: dict[str, int] = {}
             if tiers[0][0] == "memory":
-                # The prefetch: hit chunks outside memory that end past the engine's own hit.
+                # The load's reads below memory: hit chunks there that end past the engine's own hit.
                 wanted, pos = [], 0
                 for (key, ntok), h in zip(hit_keys, hit_tiers):
                     pos += ntok
@@ -331,8 +330,8 @@ class Simulator:
                 sec = int(self.now)
                 rb[sec] = rb.get(sec, 0) + nb
             # The request waits for its chunks from the tiers that held them
-            # at lookup (a prefetch from a lower tier, then memory), and for
-            # the copy into engine blocks.
+            # at lookup (read from a lower tier and promoted, or copied from
+            # memory), and for the copy into engine blocks.
             for kind, n in tier_tokens.items():
                 load_s += self.io[kind].seconds(n * self.bpt)
             if tier_tokens:
