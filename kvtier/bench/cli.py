@@ -376,6 +376,9 @@ def _routing(args: argparse.Namespace) -> str:
         if len(args.configs) > 1:
             raise ConfigError("--configs", "routings are compared on servers of one configuration",
                               "name one, e.g. --configs kvtier-shared (the default)")
+        if args.rounds > 1 or args.warmup:
+            raise ConfigError("--rounds" if args.rounds > 1 else "--warmup", "routings on started servers run "
+                              "once each, on fresh servers", "drop it; pass --resumes N for more samples")
         return ",".join(names)
     if len(names) > 1:
         raise ConfigError("--routing", "one routing per run against --endpoint servers",

@@ -58,6 +58,8 @@ def test_resumes_on_the_warm_instance_are_counted():
     (["--workload", "w3", "--routing", "events", "--events", "tcp://a:5557"], "--events"),
     (["--workload", "w3", "--routing", "events,sticky", "--configs", "kvtier-shared,kvtier-local-disk"], "--configs"),
     (["--workload", "w3", "--routing", "random,sticky", "--endpoint", "http://a:8000"], "--routing"),
+    (["--workload", "w3", "--routing", "random,events", "--rounds", "2"], "--rounds"),
+    (["--workload", "w3", "--routing", "sticky", "--warmup"], "--warmup"),
 ])
 def test_the_cli_refuses_routings_it_cannot_run(args, key, capsys, tmp_path):
     from kvtier import cli
