@@ -116,7 +116,7 @@ def run(workdir: Path, objects: int, gc_interval: float, progress: Progress | No
         t0 = time.perf_counter()
         result = writer.gc()
         gc_s = time.perf_counter() - t0
-        journal = sum(f.stat().st_size for f in (root / "kvtier-v1" / "removed").iterdir())
+        journal = sum(f.stat().st_size for f in writer.journal.path.iterdir())
         t0 = time.perf_counter()
         digests = reader.journal.read_new()
         read_s = time.perf_counter() - t0

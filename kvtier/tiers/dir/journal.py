@@ -37,7 +37,6 @@ import os
 import secrets
 import stat
 import time
-from pathlib import Path
 from typing import Iterable
 
 from kvtier.tiers.dir import folders
@@ -160,8 +159,3 @@ def _records(fd: int, name: str) -> list[bytes]:
     n = len(data) // RECORD
     return [data[i * RECORD : (i + 1) * RECORD] for i in range(n)]
 
-
-def journal_path(root: str | os.PathLike) -> Path:
-    from kvtier.tiers.dir.layout import LAYOUT_DIR
-
-    return Path(root) / LAYOUT_DIR / FOLDER

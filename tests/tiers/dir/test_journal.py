@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from kvtier.tiers.dir.journal import RECORD, RemovalJournal, journal_path
+from kvtier.tiers.dir.journal import RECORD, RemovalJournal
 from kvtier.tiers.shared import SharedTier
 from tests.support import OBJ, make_chunks, shared_config
 
@@ -63,7 +63,7 @@ def test_forged_files_give_whole_records_at_most(tmp_path):
     try:
         j = tier.journal
         assert j.append([b"a" * RECORD, b"short"]) == RECORD  # only whole digests are written
-        folder = journal_path(tmp_path / "shared")
+        folder = tier.journal.path
         (folder / f"{time.time_ns()}.evil.1.x.rm").write_bytes(b"b" * RECORD + b"c" * 7)  # a torn record
         os.symlink(folder / "elsewhere", folder / f"{time.time_ns()}.evil.2.y.rm")  # a link: not followed
         os.mkdir(folder / f"{time.time_ns()}.evil.3.z.rm")  # not a file
@@ -77,7 +77,7 @@ def test_old_journal_files_are_swept_by_the_next_pass_that_writes(tmp_path):
     tier = _tier(tmp_path)
     try:
         j = RemovalJournal(tier.dir, keep_s=60)
-        folder = journal_path(tmp_path / "shared")
+        folder = tier.journal.path
         j.append([b"a" * RECORD])
         old = folder / f"{time.time_ns() - 120 * 10**9}.host.1.old.rm"
         old.write_bytes(b"o" * RECORD)
