@@ -376,9 +376,9 @@ def _routing(args: argparse.Namespace) -> str:
         if len(args.configs) > 1:
             raise ConfigError("--configs", "routings are compared on servers of one configuration",
                               "name one, e.g. --configs kvtier-shared (the default)")
-        if args.rounds > 1 or args.warmup:
-            raise ConfigError("--rounds" if args.rounds > 1 else "--warmup", "routings on started servers run "
-                              "once each, on fresh servers", "drop it; pass --resumes N for more samples")
+        if args.warmup:
+            raise ConfigError("--warmup", "routings on started servers run on fresh servers each time, and "
+                              "every routing's first requests warm its own", "drop it; pass --rounds N for more samples")
         return ",".join(names)
     if len(names) > 1:
         raise ConfigError("--routing", "one routing per run against --endpoint servers",

@@ -8,8 +8,12 @@ an earlier one stored), each with its own node-memory folder, HTTP port and
 KV-event endpoints (``--kv-events-config``: publisher and replay, on
 loopback). Their engines are set as the in-process W3 engines are
 (``resume_configs.engine_args``: the model, its length, the KV blocks, one
-process unless the configuration is ``NAME+mp``), each pinned to one of the
-host's CPUs in turn. ``kvtier.bench.endpoint`` then runs the workload
+process unless the configuration is ``NAME+mp``). Every server gets an
+equal share of the host's CPUs (``cpu_plan``): its own CPUs where they
+divide evenly, otherwise all of them unpinned with an equal thread count,
+because pinning three engines to two CPUs makes one engine twice as fast
+as the other two, and then the routing that happens to send more sessions
+there wins, whatever it knows. ``kvtier.bench.endpoint`` then runs the workload
 against them with the routing (``events``: the servers' own event streams,
 ``kvtier.routing``), and the servers are stopped (SIGTERM through ``kvtier
 serve``, also on Ctrl-C or an error) before the next routing starts.
@@ -19,6 +23,10 @@ host's page cache (the servers read them cold, as the in-process runs do);
 what the engines hold themselves stays: a live server's prefix cache cannot
 be emptied from outside, and whatever it still holds is what a router can
 use.
+
+With ``--rounds N`` the routings run N times, in ABBA order (odd rounds
+reversed), each time on fresh servers and an empty shared tier; a row
+pools its rounds' requests and keeps each round's TTFT p50 beside.
 
 The report is ``kvtier bench resume``'s, one row per routing (named
 after it; the configuration is the summary's ``config``), plus per routing: TTFT p95, hits by tier against
@@ -109,6 +117,21 @@ def drop_page_cache(folder: Path) -> None:
         _drop_dir_cache(folder)
 
 
+def cpu_plan(cpus: list[int], instances: int) -> list[dict[str, str]]:
+    """Per server, the CPU settings of its engine: an equal share each.
+    Where the CPUs divide evenly among the servers, each is bound to its own
+    (``VLLM_CPU_OMP_THREADS_BIND`` as vLLM takes it, ``0,1`` or ``2``);
+    otherwise none is bound (``nobind``) and each runs
+    ``len(cpus) // instances`` threads (at least one), sharing all of them
+    under the kernel's scheduler."""
+    if instances <= len(cpus) and len(cpus) % instances == 0:
+        per = len(cpus) // instances
+        return [{"VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in cpus[i * per:(i + 1) * per])}
+                for i in range(instances)]
+    threads = str(max(1, len(cpus) // instances))
+    return [{"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": threads} for _ in range(instances)]
+
+
 @contextlib.contextmanager
 def servers(cfg: ResumeConfig, name: str, label: str, workload: wl.Workload, model_dir: Path, tag: str,
             log: Callable[[str], None] = print, start_timeout_s: float = 900.0):
@@ -116,7 +139,7 @@ def servers(cfg: ResumeConfig, name: str, label: str, workload: wl.Workload, mod
     together and healthy; stopped on leaving, whatever happened."""
     logs = cfg.workdir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    cpus = sorted(os.sched_getaffinity(0))
+    plan = cpu_plan(sorted(os.sched_getaffinity(0)), workload.instances)
     processes = "multiprocess" if name.endswith(MP) else "single"
     started: list[tuple] = []
     private: list[str] = []
@@ -143,7 +166,7 @@ def servers(cfg: ResumeConfig, name: str, label: str, workload: wl.Workload, mod
                     *vllm_flags({**RUNNER_DEFAULTS, **spec["engine"]}), "--enable-prompt-tokens-details",
                     "--disable-uvicorn-access-log", "--kv-events-config", json.dumps(kv_events)]
             env = client.server_env(client.ClientBenchConfig(workdir=cfg.workdir, processes=processes), Path(tmp))
-            env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpus[i % len(cpus)])
+            env.update(plan[i])
             server_log = logs / f"{cfg.workload}-{tag}-{label}-i{i}.log"
             with open(server_log, "wb") as fh:
                 proc = subprocess.Popen(argv, env=env, stdout=fh, stderr=subprocess.STDOUT,
@@ -176,15 +199,18 @@ def run_routed(cfg: ResumeConfig, routings: tuple[str, ...],
     per_server: dict = {}
     events: dict = {}
     commands: dict = {}
+    rounds = max(1, cfg.rounds)
+    order = [(rnd, routing) for rnd in range(rounds) for routing in (routings[::-1] if rnd % 2 else routings)]
     for label, workload in todo:
         store = cfg.workdir / "stores" / f"{cfg.workload}-{name}-{label}"  # engine_spec's shared folder
-        for routing in routings:
+        for rnd, routing in order:
             row = routing
+            tag = routing if rounds == 1 else f"{routing}-r{rnd}"
             # Every routing starts from an empty store: nothing an earlier one stored may hit.
             shutil.rmtree(store, ignore_errors=True)
             store.mkdir(parents=True)
             try:
-                with servers(cfg, name, label, workload, model_dir, routing, log) as fleet:
+                with servers(cfg, name, label, workload, model_dir, tag, log) as fleet:
                     commands.setdefault(label, {})[routing] = [" ".join(s.command) for s in fleet]
                     spec = routing
                     if routing == "events":
@@ -201,16 +227,16 @@ def run_routed(cfg: ResumeConfig, routings: tuple[str, ...],
                                                    before_cold=cold)
             except (RuntimeError, endpoint.EndpointError, OSError) as exc:
                 # One routing failing must not cost the others' figures.
-                log(f"{row} ({label}) failed; going on without it: {str(exc).splitlines()[0]}")
-                failed.append({"config": row, "case": label, "round": 0, "error": str(exc)[-1500:]})
+                log(f"{tag} ({label}) failed; going on without it: {str(exc).splitlines()[0]}")
+                failed.append({"config": row, "case": label, "round": rnd, "error": str(exc)[-1500:]})
                 continue
-            runs.append(endpoint.as_resume_run(result, config=row, case=label))
+            runs.append({**endpoint.as_resume_run(result, config=row, case=label), "round": rnd})
             notes += [n for n in result["notes"] if n not in notes]
-            per_server.setdefault(label, {})[routing] = {
+            per_server.setdefault(label, {})[tag] = {
                 ph["name"]: [{"endpoint": s["endpoint"], "requests": s["requests"], **s["summary"]}
                              for s in ph["servers"]] for ph in result["phases"]}
             if result.get("events"):
-                events.setdefault(label, {})[routing] = result["events"]
+                events.setdefault(label, {})[tag] = result["events"]
     if not runs:
         raise RuntimeError("every routing failed:\n" + "\n".join(f["error"] for f in failed))
     resume._write_requests(cfg.workdir / "report" / "requests.jsonl", cfg, runs)
@@ -230,15 +256,23 @@ def summarise(cfg: ResumeConfig, name: str, routings: tuple[str, ...], runs: lis
     from kvtier.bench.resume_report import summarise as resume_summary
 
     s = resume_summary(cfg, runs, {}, {})
+    by_row: dict = {}
     for r in runs:
-        v = s["results"][r["case"]][r["config"]]
+        by_row.setdefault((r["case"], r["config"]), []).append(r)
+    for (case, row), mine in by_row.items():
+        v = s["results"][case][row]
         v["ttft_p95_s"] = pct(v["ttft_s"], 0.95)
-        v["resumes_on_warm_instance"], v["resumes"] = resumes_on_warm_instance(r["records"])
+        pairs = [resumes_on_warm_instance(r["records"]) for r in mine]
+        v["resumes_on_warm_instance"], v["resumes"] = sum(a for a, _ in pairs), sum(b for _, b in pairs)
+        # Each round's own p50, in round order: the spread the pooled p50 hides.
+        v["ttft_p50_s_rounds"] = [pct([rec["ttft_s"] for rec in r["records"] if rec["phase"] in r["measured"]], 0.5)
+                                  for r in sorted(mine, key=lambda r: r.get("round", 0))]
     s.update(kind="routed", config=name, routings=list(routings), instances=cfg.instances, notes=notes,
              per_server_by_routing=per_server, events=events, server_commands=commands, failed=failed,
              description=(f"W3 multi-instance cold resume, {cfg.instances} live servers (kvtier serve, {name}) "
                           f"started per routing, {cfg.sessions} sessions per context, routed "
-                          f"{', '.join(routings)}"))
+                          f"{', '.join(routings)}"
+                          + (f", {cfg.rounds} rounds (ABBA)" if cfg.rounds > 1 else "")))
     return s
 
 
@@ -246,13 +280,14 @@ def format_table(s: dict) -> str:
     from kvtier.bench.resume_report import format_table as resume_table
 
     lines = [resume_table(s), "", "per routing: TTFT p50 / p95, req/s, kvtier hit tokens by tier, vLLM's external "
-             "prefix-cache hits, resumes served where the session began"]
+             "prefix-cache hits, resumes served where the session began, each round's TTFT p50"]
     for case, by in s["results"].items():
         for row, v in by.items():
             hits = ", ".join(f"{t} {n:.0f}" for t, n in sorted(v["hit_tokens"].items())) or "-"
             lines.append(f"  {case:>8} {row:<8} {v['ttft_p50_s']:.3f}s / {v['ttft_p95_s']:.3f}s  "
                          f"{v['throughput_rps']:.2f}  {hits}  {v['vllm_external_prefix_cache_hits']:.0f}  "
-                         f"{v['resumes_on_warm_instance']}/{v['resumes']}")
+                         f"{v['resumes_on_warm_instance']}/{v['resumes']}  "
+                         + " ".join(f"{x:.3f}s" for x in v.get("ttft_p50_s_rounds", [])))
     for case, by_routing in s.get("per_server_by_routing", {}).items():
         for routing, phases in by_routing.items():
             lines += ["", f"per server ({case}, {routing}): requests, kvtier hit tokens by tier, vLLM external hits"]

@@ -50,6 +50,35 @@ def test_resumes_on_the_warm_instance_are_counted():
     assert routed.resumes_on_warm_instance(recs) == (2, 3)
 
 
+def test_every_server_gets_an_equal_share_of_the_cpus():
+    # Where the CPUs divide evenly, each server is bound to its own.
+    assert routed.cpu_plan([0, 1], 2) == [{"VLLM_CPU_OMP_THREADS_BIND": "0"}, {"VLLM_CPU_OMP_THREADS_BIND": "1"}]
+    assert routed.cpu_plan([0, 1, 2, 3], 2) == [{"VLLM_CPU_OMP_THREADS_BIND": "0,1"},
+                                                {"VLLM_CPU_OMP_THREADS_BIND": "2,3"}]
+    # Three on two: none bound (one bound alone would run twice as fast), one thread each.
+    assert routed.cpu_plan([0, 1], 3) == [{"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}] * 3
+    assert routed.cpu_plan([0, 1, 2, 3, 4, 5, 6], 3)[2] == {"VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                                                            "OMP_NUM_THREADS": "2"}
+
+
+def test_rounds_pool_their_requests_and_keep_each_rounds_p50(tmp_path):
+    def run(routing, rnd, ttfts):
+        recs = [{"phase": "warm", "session": i, "endpoint": i % 2, "ttft_s": 9.0, "prompt_tokens": 512,
+                 "cached_tokens": 0, "queue_s": 0.0} for i in range(len(ttfts))]
+        recs += [{"phase": "resume", "session": i, "endpoint": 0, "ttft_s": t, "prompt_tokens": 512,
+                  "cached_tokens": 384, "queue_s": 0.0} for i, t in enumerate(ttfts)]
+        return {"config": routing, "case": "512", "round": rnd, "records": recs, "measured": ["resume"],
+                "span_s": {"resume": 2.0}, "kvtier_metrics": {}, "vllm_metrics": {}}
+
+    cfg = ResumeConfig(workdir=tmp_path, workload="w3", instances=2, rounds=2)
+    runs = [run("events", 0, [1.0, 2.0, 3.0]), run("events", 1, [5.0, 6.0, 7.0])]
+    s = routed.summarise(cfg, "kvtier-shared", ("events",), runs, [], [], {}, {}, {})
+    v = s["results"]["512"]["events"]
+    assert v["requests"] == 6 and v["ttft_p50_s_rounds"] == [2.0, 6.0]
+    assert (v["resumes_on_warm_instance"], v["resumes"]) == (4, 6)
+    assert "2 rounds (ABBA)" in s["description"] and "2.000s 6.000s" in routed.format_table(s)
+
+
 @pytest.mark.parametrize("args, key", [
     (["--workload", "w1", "--routing", "random,sticky"], "--routing"),
     (["--workload", "w3", "--routing", "workload,events"], "--routing"),
@@ -58,7 +87,6 @@ def test_resumes_on_the_warm_instance_are_counted():
     (["--workload", "w3", "--routing", "events", "--events", "tcp://a:5557"], "--events"),
     (["--workload", "w3", "--routing", "events,sticky", "--configs", "kvtier-shared,kvtier-local-disk"], "--configs"),
     (["--workload", "w3", "--routing", "random,sticky", "--endpoint", "http://a:8000"], "--routing"),
-    (["--workload", "w3", "--routing", "random,events", "--rounds", "2"], "--rounds"),
     (["--workload", "w3", "--routing", "sticky", "--warmup"], "--warmup"),
 ])
 def test_the_cli_refuses_routings_it_cannot_run(args, key, capsys, tmp_path):
