@@ -27,12 +27,13 @@ vLLM publishes (``take``). A chunk the scheduler never saw in this process
 (stored before a restart, or by another node) has no vLLM hashes here and
 is not published by this engine: whoever stored it published it.
 
-The shared tier is every node's: another node's collector, or ``kvtier
-store gc``, deletes what this engine published. Each collection pass
-records what it deleted in the tier's removal journal
-(``kvtier.tiers.dir.journal``); ``Journals`` reads it every
-``JOURNAL_INTERVAL_S`` off the scheduler thread, and ``BlockEvents``
-publishes the removal of the chunks it had published there.
+The shared and S3 tiers are every node's: another node's collector, or
+``kvtier store gc``, deletes what this engine published. Each collection
+pass records what it deleted in the tier's removal journal
+(``kvtier.tiers.dir.journal``, ``kvtier.tiers.s3.journal``: a tier's
+``journal``); ``Journals`` reads it every ``JOURNAL_INTERVAL_S`` off the
+scheduler thread, and ``BlockEvents`` publishes the removal of the chunks
+it had published there.
 
 Cost: nothing unless vLLM was started with KV events enabled (no listener,
 no bookkeeping).
@@ -233,7 +234,7 @@ class BlockEvents:
 
 
 class Journals:
-    """The shared tiers' removal journals (``kvtier.tiers.dir.journal``),
+    """The tiers' removal journals (any tier's ``journal``: shared, S3),
     read every ``interval_s`` on ``pool`` (off the scheduler thread): what
     other nodes' collectors and ``kvtier store gc`` deleted."""
 

@@ -10,11 +10,12 @@ engine with KV events on reads the files it has not read yet, every
 ``interval`` seconds, and publishes ``BlockRemoved`` for the chunks it had
 published.
 
-Layout: ``kvtier-v1/removed/<unix ns>.<host>.<pid>.<random>.rm``, written
-in full under a temporary name in the folder and renamed in (readers never
-see half a file). Files older than ``keep_s`` are removed by the next
-pass that writes one. The folder is opened like every folder of the store
-(``folders.subfolder``: no link followed).
+Layout and records: ``removals`` (one file per pass in
+``kvtier-v1/removed/``), written in full under a temporary name in the
+folder and renamed in (readers never see half a file). Files older than
+``keep_s`` are removed by the next pass that writes one. The folder is
+opened like every folder of the store (``folders.subfolder``: no link
+followed).
 
 Cost, for a reader: one listing of the folder per interval, and each new
 file read once (32 bytes per deleted object: a pass that deletes 10,000
@@ -23,7 +24,7 @@ objects writes 320 KB). For a writer: one file per pass.
 Untrusted input: anyone who can write the shared folder can write a
 journal file. The worst a forged file does is make routers believe some
 blocks are gone (a routing miss, never wrong KV): a reader takes only
-whole 32-byte records, from regular files no larger than ``MAX_FILE``.
+whole 32-byte records, from regular files no larger than ``MAX_ENTRY``.
 
 Threads: ``append`` on the collector's thread; ``read_new`` on one
 caller's thread at a time (it keeps the names it has read).
@@ -34,21 +35,14 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import secrets
 import stat
-import time
 from typing import Iterable
 
 from kvtier.tiers.dir import folders
 from kvtier.tiers.dir.layout import DIR_FLAGS, HOST, Layout
+from kvtier.tiers.removals import FOLDER, KEEP_S, MAX_ENTRY, body, expired, new_name, records, time_of
 
 log = logging.getLogger(__name__)
-
-FOLDER = "removed"
-SUFFIX = ".rm"
-RECORD = 32
-MAX_FILE = 64 << 20  # two million digests: larger files are not read
-KEEP_S = 24 * 3600.0
 
 
 class RemovalJournal:
@@ -68,18 +62,17 @@ class RemovalJournal:
     def append(self, digests: Iterable[bytes]) -> int:
         """Record one pass's deletions; returns the bytes written (0: none,
         or the journal could not be written: logged, never raised)."""
-        body = b"".join(d for d in digests if len(d) == RECORD)
-        if not body:
+        data = body(digests)
+        if not data:
             return 0
-        token = secrets.token_hex(6)
-        name = f"{time.time_ns()}.{HOST}.{os.getpid()}.{token}{SUFFIX}"
+        name = new_name(HOST)
         tmp = f".{name}.tmp"
         try:
             fd = self._folder()
             try:
                 out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=fd)
                 with os.fdopen(out, "wb") as f:
-                    f.write(body)
+                    f.write(data)
                 os.rename(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
                 self._sweep(fd)
             finally:
@@ -88,13 +81,11 @@ class RemovalJournal:
             log.warning("removal journal %s: not written (%s): routers learn of these deletions late",
                         self.path, exc.strerror or exc)
             return 0
-        return len(body)
+        return len(data)
 
     def _sweep(self, fd: int) -> None:
-        cutoff = time.time_ns() - int(self.keep_s * 1e9)
         for name in os.listdir(fd):
-            t = _time_of(name)
-            if t is not None and t < cutoff:
+            if expired(name, self.keep_s):
                 try:
                     os.unlink(name, dir_fd=fd)
                 except OSError:
@@ -116,7 +107,7 @@ class RemovalJournal:
             os.close(base)
         out: list[bytes] = []
         try:
-            names = [n for n in os.listdir(fd) if _time_of(n) is not None]
+            names = [n for n in os.listdir(fd) if time_of(n) is not None]
             for name in sorted(set(names) - self._read):
                 out += _records(fd, name)
             self._read = set(names)
@@ -125,14 +116,6 @@ class RemovalJournal:
         finally:
             os.close(fd)
         return out
-
-
-def _time_of(name: str) -> int | None:
-    """The write time in a journal file's name, or None for any other name."""
-    if not name.endswith(SUFFIX) or name.startswith("."):
-        return None
-    head = name.split(".", 1)[0]
-    return int(head) if head.isdigit() else None
 
 
 def _records(fd: int, name: str) -> list[bytes]:
@@ -146,7 +129,7 @@ def _records(fd: int, name: str) -> list[bytes]:
         return []
     try:
         st = os.fstat(f)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_FILE:
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_ENTRY:
             return []
         data = b""
         while len(data) < st.st_size:
@@ -156,6 +139,5 @@ def _records(fd: int, name: str) -> list[bytes]:
             data += chunk
     finally:
         os.close(f)
-    n = len(data) // RECORD
-    return [data[i * RECORD : (i + 1) * RECORD] for i in range(n)]
+    return records(data)
 

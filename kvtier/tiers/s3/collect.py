@@ -1,7 +1,8 @@
 """The S3 tier's collection pass: the prefix listed, the least recently
 used objects deleted down to the low watermark (``Collector``), one pass at
-a time per prefix under a lease object (``lease``). A part of ``S3Tier``
-(``tier``), which owns the state."""
+a time per prefix under a lease object (``lease``); what a pass deleted
+goes to the removal journal (``journal``). A part of ``S3Tier`` (``tier``),
+which owns the state."""
 
 from __future__ import annotations
 
@@ -35,33 +36,41 @@ class S3Collection:
                 access.update(self._access)
             return entries
 
+        delete, finish = self._gc_pass(dry_run)
         return self._collector.collect(listing, _entry_size, lambda e: max(e[2], access.get(e[0], 0.0)),
-                                       self._gc_delete, dry_run, self._gc_finish(dry_run))
+                                       delete, dry_run, finish)
 
     def _collect(self, entries: list[tuple[str, int, float]], dry_run: bool, lease: s3lease.Lease | None, t0: float) -> GcResult:
         """The pass over listed ``entries`` under ``lease`` (taken by the caller)."""
         with self._lock:
             access = dict(self._access)
+        delete, finish = self._gc_pass(dry_run)
         return self._collector.sweep(entries, _entry_size, lambda e: max(e[2], access.get(e[0], 0.0)),
-                                     self._gc_delete, lease, dry_run, self._gc_finish(dry_run), t0)
+                                     delete, lease, dry_run, finish, t0)
 
-    def _gc_delete(self, entry: tuple[str, int, float]) -> bool:
-        self._client().delete_object(Bucket=self.bucket, Key=entry[0])
-        with self._lock:
-            self._access.pop(entry[0], None)
-        self._removed_names([entry[0]])
-        return True
+    def _gc_pass(self, dry_run: bool):
+        """One pass's ``delete`` and ``finish`` for ``Collector``: what the
+        pass deleted goes to the removal journal as it ends (inside the lease)."""
+        deleted: list[bytes] = []
 
-    def _gc_finish(self, dry_run: bool):
+        def delete(entry: tuple[str, int, float]) -> bool:
+            self._client().delete_object(Bucket=self.bucket, Key=entry[0])
+            with self._lock:
+                self._access.pop(entry[0], None)
+            self._removed_names([entry[0]])
+            deleted.append(bytes.fromhex(entry[0][-64:]))  # listed names end in the digest (_NAME)
+            return True
+
         def finish(r: GcResult) -> GcResult:
             if not dry_run:
+                self.journal.append(deleted)
                 with self._lock:
                     self._used_estimate = r.bytes_after
                     self._objects_estimate = r.objects - r.deleted
                 self.metrics.used(r.bytes_after)
             return r
 
-        return finish
+        return delete, finish
 
     def _take_lease(self) -> s3lease.Lease | None:
         """The collector lease, ``_NO_LEASE`` where the server cannot give one

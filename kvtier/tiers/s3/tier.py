@@ -36,6 +36,8 @@ token, model or tenant text ever appears in a name. The body is the encoded
   (``lease``: conditional PUTs) lets one pass run at a time per prefix, so
   two collectors never both delete. Still, let one or a few instances collect
   (``gc_interval_s: 0`` elsewhere): every pass lists the whole prefix.
+  Each pass that deleted anything writes the digests it deleted to the
+  removal journal (``journal``), which every engine with KV events on reads.
 
 Threads: every backend call runs on this tier's ``PriorityExecutor`` (loads
 before deletes before stores before maintenance). The boto3 client is made in
@@ -46,8 +48,9 @@ Parts, one module each: ``config`` (``S3Config``), ``client`` (the boto3
 client, the bucket), ``reads`` (HEADs and GETs, verification, recency
 refreshes), ``writes`` (conditional PUTs, deletes), ``collect`` (the
 collection pass under its lease), ``presigned`` (the plain HTTP requests),
-``lease`` (the lease object). ``S3Tier`` here owns the state they share:
-the client, the recency index, the usage estimate, the fallbacks.
+``lease`` (the lease object), ``journal`` (the removal journal). ``S3Tier``
+here owns the state they share: the client, the recency index, the usage
+estimate, the fallbacks.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ from kvtier.tiers.s3 import presigned
 from kvtier.tiers.s3.client import S3Client
 from kvtier.tiers.s3.collect import S3Collection, _Leases
 from kvtier.tiers.s3.config import S3Config
+from kvtier.tiers.s3.journal import S3RemovalJournal
 from kvtier.tiers.s3.reads import S3Reads
 from kvtier.tiers.s3.writes import S3Writes
 
@@ -96,6 +100,8 @@ class S3Tier(S3Client, S3Reads, S3Writes, S3Collection, PooledTier):
         self._used_estimate = 0  # last listing + own writes and deletes since
         self._objects_estimate = 0
         self._no_lease = False  # the server refused conditional requests
+        # What collection passes deleted, for other engines' KV events (journal.py).
+        self.journal = S3RemovalJournal(self._client, self.bucket, self.base)
         self._trigger = Trigger(make(config.eviction, config), config.gc_interval_s)
         self._collector: Collector[tuple[str, int, float]] = Collector(
             self.name, lambda: make(config.eviction, config), _Leases(self), self.metrics,

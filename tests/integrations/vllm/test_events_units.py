@@ -4,18 +4,20 @@ own ``Request`` and block hasher. End to end: test_events.py."""
 
 from __future__ import annotations
 
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from kvtier.config import parse_store_config
 from kvtier.engine.store import TieredStore
 from kvtier.integrations.vllm.events import (
-    REMOVED, STORED, BlockEvents, Place, RankEvents, chunk_blocks, place_of)
+    REMOVED, STORED, BlockEvents, Journals, Place, RankEvents, chunk_blocks, place_of)
 from kvtier.integrations.vllm.metadata import KVTierWorkerMeta
 from kvtier.integrations.vllm.metrics import connector_metrics
 from kvtier.keys import shard_key
-from tests.support import keys_for, objs_for
+from tests.support import OBJ, keys_for, objs_for
 
 BS = 16
 
@@ -166,16 +168,26 @@ def test_tiers_places(tmp_path, kind, medium, locality):
         assert place_of(store.tiers[0]) == Place(medium, locality)
 
 
+class _Pool(ThreadPoolExecutor):
+    """A pool that takes the tier executor's priority argument (``Journals``)."""
+
+    def submit(self, _priority, fn, *args):
+        return super().submit(fn, *args)
+
+
+def _retracted(ev: BlockEvents, journals: Journals, timeout: float = 10.0) -> None:
+    """Poll ``journals`` into ``ev`` until nothing published stays held."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for tier, digests in journals.poll():
+            ev.journaled(tier, digests)
+        if ev._held == set():
+            return
+        time.sleep(0.01)
+
+
 def test_a_shard_in_another_nodes_journal_takes_back_the_chunk_it_belongs_to(tmp_path):
-    from concurrent.futures import ThreadPoolExecutor
-
     from vllm.distributed.kv_events import BlockRemoved
-
-    from kvtier.integrations.vllm.events import Journals
-
-    class Pool(ThreadPoolExecutor):
-        def submit(self, _priority, fn, *args):
-            return super().submit(fn, *args)
 
     m = connector_metrics()
     ev = BlockEvents(2, {"shared": Place("STORAGE", "REMOTE")}, BS, m,
@@ -187,15 +199,46 @@ def test_a_shard_in_another_nodes_journal_takes_back_the_chunk_it_belongs_to(tmp
     assert len(ev.take()) == 1
     (tmp_path / "s").mkdir()
     cfg = parse_store_config({"tiers": [{"kind": "shared", "path": str(tmp_path / "s"), "capacity": "1MiB"}]})
-    with TieredStore(cfg) as store, Pool(1) as pool:
+    with TieredStore(cfg) as store, _Pool(1) as pool:
         journals = Journals(store.tiers, pool, interval_s=0)
         store.tiers[0].journal.append([shard_key(key, 1, 2).digest, b"\1" * 32])  # rank 1's shard, and another's
-        deadline = time.time() + 10
-        while time.time() < deadline:
-            for tier, digests in journals.poll():
-                ev.journaled(tier, digests)
-            if ev._held == set():
-                break
-            time.sleep(0.01)
+        _retracted(ev, journals)
     (removed,) = ev.take()
     assert isinstance(removed, BlockRemoved) and removed.block_hashes == _external(req)[:2]
+
+
+def test_another_nodes_collection_on_s3_takes_back_what_this_engine_published_there():
+    from vllm.distributed.kv_events import BlockRemoved
+
+    from kvtier.tiers.s3.tier import S3Tier
+    from tests.tiers.s3server import s3_config, shared_server
+
+    srv = shared_server()
+    prefix = f"events/{os.getpid()}-{time.monotonic_ns()}"
+    keys = keys_for(4, 2)
+    mine = S3Tier(s3_config(srv, prefix, OBJ, name="s3"))  # this engine's
+    other = S3Tier(s3_config(srv, prefix, OBJ, name="s3-elsewhere"))  # another node's collector
+    try:
+        m = connector_metrics()
+        ev = BlockEvents(1, {"s3": place_of(mine)}, BS, m)
+        req = _request(list(range(400, 464)))
+        key = keys[0]._replace(num_tokens=32)  # the request's first 32 tokens: 2 blocks
+        ev.remember(key, req, 0)
+        objs = objs_for(keys)
+        assert mine.store(objs) == 2
+        for o in objs:
+            o.release()
+        ev.heard([(STORED, "s3", key.digest)])
+        (stored,) = ev.take()
+        assert stored.medium == "STORAGE" and ev._held == {("s3", key.digest)}
+        with _Pool(1) as pool:
+            journals = Journals([mine], pool, interval_s=0)
+            _retracted(ev, journals, timeout=1.0)
+            assert ev.take() == []  # nothing deleted yet
+            assert other.gc().deleted == 2  # over capacity: both go
+            _retracted(ev, journals)
+        (removed,) = ev.take()
+        assert isinstance(removed, BlockRemoved) and removed.block_hashes == _external(req)[:2]
+    finally:
+        mine.close()
+        other.close()

@@ -8,7 +8,8 @@ import subprocess
 import sys
 import time
 
-from kvtier.tiers.dir.journal import RECORD, RemovalJournal
+from kvtier.tiers.dir.journal import RemovalJournal
+from kvtier.tiers.removals import RECORD
 from kvtier.tiers.shared import SharedTier
 from tests.support import OBJ, make_chunks, shared_config
 
