@@ -194,7 +194,8 @@ def _resume_parser(bsub) -> None:
     br.add_argument("--rounds", type=int, default=1,
                     help="w1-w3: engine runs per configuration, the configurations in ABBA order (odd rounds "
                     "reversed), figures pooled over rounds: use 2 or more when comparing configurations whose "
-                    "difference is near this host's drift (default 1)")
+                    "difference is near this host's drift; w3 with --routing: the routings, each round on fresh "
+                    "servers, with each round's TTFT p50 reported (default 1)")
     br.add_argument("--warmup", action="store_true",
                     help="first run the first configuration once, unmeasured (the first engine of a run can be "
                     "slower, whatever it runs)")
