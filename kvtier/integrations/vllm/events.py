@@ -20,10 +20,13 @@ types, so that a router's index sees them beside the GPU's:
 
 Two sides, like the connector's. ``RankEvents`` (each worker) hears its
 store (``TieredStore.listen``) and hands what it heard, named by the TP
-group's chunk keys, to the scheduler with each step's worker metadata.
-``BlockEvents`` (the scheduler) knows the vLLM blocks of every chunk it
-asked to save or load (``remember``), counts the ranks, and makes the events
-vLLM publishes (``take``). A chunk the scheduler never saw in this process
+group's chunk keys, to the scheduler with each step's worker metadata. It
+knows every rank's shard names of a chunk, not only its own: where the
+ranks share a tier (node memory, shared), one rank's write may evict
+another rank's shard, and only the writer hears it. ``BlockEvents`` (the
+scheduler) knows the vLLM blocks of every chunk it asked to save or load
+(``remember``), counts the ranks, and makes the events vLLM publishes
+(``take``). A chunk the scheduler never saw in this process
 (stored before a restart, or by another node) has no vLLM hashes here and
 is not published by this engine: whoever stored it published it.
 
@@ -90,12 +93,16 @@ class RankEvents:
         self._group: OrderedDict[bytes, bytes] = OrderedDict()  # shard digest -> group digest (lock)
         self._pending: list[Heard] = []  # (lock)
 
-    def name(self, group: ChunkKey, shard: ChunkKey) -> None:
-        """This rank stores or loads ``group``'s shard under ``shard``."""
+    def name(self, group: ChunkKey, shards: Sequence[ChunkKey]) -> None:
+        """This rank stores or loads ``group``'s shard; ``shards`` are every
+        rank's (this one's among them). A tier the ranks share (node memory,
+        shared, S3) may evict another rank's shard from this rank's store:
+        the chunk left it then, and only this rank heard it."""
         with self._lock:
-            self._group[shard.digest] = group.digest
-            self._group.move_to_end(shard.digest)
-            while len(self._group) > self._remembered:
+            for shard in shards:
+                self._group[shard.digest] = group.digest
+                self._group.move_to_end(shard.digest)
+            while len(self._group) > self._remembered * max(1, len(shards)):
                 self._group.popitem(last=False)
 
     def stored(self, tier: str, digests: list[bytes]) -> None:
