@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+
 import pytest
 
 from kvtier import auth
@@ -27,3 +30,11 @@ def key_file(tmp_path) -> str:
     path = str(tmp_path / "cluster.key")
     auth.write_key_file(path, [auth.new_key()])
     return path
+
+
+@pytest.fixture
+def node_dir():
+    """A node memory tier's folder on tmpfs, removed afterwards."""
+    path = tempfile.mkdtemp(prefix="kvtier-test-", dir="/dev/shm")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

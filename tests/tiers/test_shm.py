@@ -9,20 +9,9 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import shutil
-import tempfile
-
-import pytest
 
 from kvtier.tiers.shm import ShmConfig, ShmTier
 from tests.support import OBJ, assert_object, keys_for, objs_for
-
-
-@pytest.fixture
-def node_dir():
-    path = tempfile.mkdtemp(prefix="kvtier-test-", dir="/dev/shm")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _open(path: str, capacity: int, name: str = "shm") -> ShmTier:

@@ -83,7 +83,7 @@ class KVTierConnector(KVConnectorBase_V1):
             if events.enabled(vllm_config):
                 places = {t.name: events.place_of(t) for t in view.stores[0].tiers}
                 published = events.BlockEvents(len(topo.shard_ranks), places, s.block_size, m,
-                                               shards=lambda key: [topo.shard(key, r).digest for r in topo.shard_ranks])
+                                               shards=lambda key: [k.digest for k in topo.shards(key)])
             self._scheduler = KVTierScheduler(s, view, m, bytes_per_token=chunk_bytes * len(topo.shard_ranks)
                                               / ns.chunk_tokens, events=published)
             tiers = [t.name for t in view.stores[0].tiers]

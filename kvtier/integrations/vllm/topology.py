@@ -62,6 +62,10 @@ class Topology:
         """Shard ``shard`` of chunk ``key`` as written at ``tp_size`` (this engine's by default)."""
         return key if self.replicated else shard_key(key, shard, tp_size or self.tp_size)
 
+    def shards(self, key: ChunkKey) -> list[ChunkKey]:
+        """Every rank's shard of chunk ``key``, as this engine writes them."""
+        return [self.shard(key, r) for r in self.shard_ranks]
+
     def sources(self, rank: int, tp_size: int) -> range:
         """The shards of a chunk written at ``tp_size`` that hold this
         engine's rank ``rank``'s heads."""

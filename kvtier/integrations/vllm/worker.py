@@ -216,10 +216,9 @@ class KVTierWorker:
         (a shard of another TP size's chunk is not this engine's to publish)."""
         if self.events is None or self.reader is None:
             return
-        topo = self.reader.topology
         for c in chunks:
             if not c.source_tp:
-                self.events.name(c.key, [topo.shard(c.key, r) for r in topo.shard_ranks])
+                self.events.name(c.key, self.reader.topology.shards(c.key))
 
     def _reclaimed(self, p) -> bool:
         if not p.finished():

@@ -5,8 +5,6 @@ own ``Request`` and block hasher. End to end: test_events.py."""
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -85,7 +83,7 @@ def test_a_worker_names_what_it_heard_by_the_groups_keys_and_bounds_its_backlog(
     assert ev.take() == []
 
 
-def test_a_rank_that_evicts_another_ranks_shard_from_node_memory_says_the_chunk_left(tmp_path):
+def test_a_rank_that_evicts_another_ranks_shard_from_node_memory_says_the_chunk_left(node_dir):
     # Two ranks of TP=2, one node memory tier: each store evicts the oldest
     # objects of the node, whichever rank wrote them. Rank 1's write pushes
     # out rank 0's shard of chunk A: rank 0 never hears it, rank 1 must.
@@ -93,28 +91,24 @@ def test_a_rank_that_evicts_another_ranks_shard_from_node_memory_says_the_chunk_
     sa = [shard_key(a, r, 2) for r in (0, 1)]
     sb = shard_key(b, 1, 2)
     size = objs_for([sa[0]])[0].nbytes
-    path = tempfile.mkdtemp(prefix="kvtier-test-", dir="/dev/shm")
-    cfg = parse_store_config({"tiers": [{"kind": "shm", "path": path, "capacity": f"{2 * size + size // 2}B",
+    cfg = parse_store_config({"tiers": [{"kind": "shm", "path": node_dir, "capacity": f"{2 * size + size // 2}B",
                                          "eviction": "lru"}]})
     m = connector_metrics()
     ranks = [RankEvents(m), RankEvents(m)]
-    try:
-        with TieredStore(cfg) as s0, TieredStore(cfg) as s1:
-            for store, ev in zip((s0, s1), ranks):
-                store.listen(ev)
-                ev.name(a, sa)
-            ranks[1].name(b, [shard_key(b, r, 2) for r in (0, 1)])
-            s0.put(objs_for([sa[0]]))
-            time.sleep(0.02)  # the stamps rank the objects
-            s1.put(objs_for([sa[1]]))
-            time.sleep(0.02)
-            s1.put(objs_for([sb]))  # the node holds two: rank 0's shard of A goes
-            assert not s0.tier(s0.tiers[0].name).lookup([sa[0]])
-            assert ranks[0].take() == [(STORED, "shm", a.digest)]
-            assert ranks[1].take() == [(STORED, "shm", a.digest), (REMOVED, "shm", a.digest),
-                                       (STORED, "shm", b.digest)]
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
+    with TieredStore(cfg) as s0, TieredStore(cfg) as s1:
+        for store, ev in zip((s0, s1), ranks):
+            store.listen(ev)
+            ev.name(a, sa)
+        ranks[1].name(b, [shard_key(b, r, 2) for r in (0, 1)])
+        s0.put(objs_for([sa[0]]))
+        time.sleep(0.02)  # the stamps rank the objects
+        s1.put(objs_for([sa[1]]))
+        time.sleep(0.02)
+        s1.put(objs_for([sb]))  # the node holds two: rank 0's shard of A goes
+        assert not s0.tiers[0].lookup([sa[0]])
+        assert ranks[0].take() == [(STORED, "shm", a.digest)]
+        assert ranks[1].take() == [(STORED, "shm", a.digest), (REMOVED, "shm", a.digest),
+                                   (STORED, "shm", b.digest)]
 
 
 def test_ranks_reports_merge_in_the_worker_metadata():

@@ -4,8 +4,6 @@ refuses, as a ``ConfigError`` naming the key, one it cannot run."""
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import time
 
 import pytest
@@ -50,13 +48,6 @@ def test_each_kind_defaults_to_the_policy_it_has_always_run():
 
 
 # ---------------------------------------------------------------- shm
-
-
-@pytest.fixture
-def node_dir():
-    path = tempfile.mkdtemp(prefix="kvtier-test-", dir="/dev/shm")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.mark.parametrize("eviction, held", [("watermark", 5), ("lru", 8)])
